@@ -1,0 +1,15 @@
+"""slime-rc: rollout correction (IS / RS / veto / mismatch metrics) for RL on Megatron + SGLang."""
+
+from .config import (IS_LEVELS, IS_MODES, RS_OPTIONS, RejectionCriterion, RolloutCorrectionConfig,
+                     parse_rejection_criteria)
+from .correction import CorrectionResult, compute_rollout_correction
+from .metrics import METRICS
+from .packed import cu_seqlens_from_lengths
+from .reducer import DistributedReducer, LocalReducer, megatron_reducer
+
+__all__ = [
+    "IS_LEVELS", "IS_MODES", "RS_OPTIONS", "RejectionCriterion", "RolloutCorrectionConfig",
+    "parse_rejection_criteria", "CorrectionResult", "compute_rollout_correction", "METRICS",
+    "cu_seqlens_from_lengths", "DistributedReducer", "LocalReducer", "megatron_reducer",
+]
+__version__ = "0.1.0"

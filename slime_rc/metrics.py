@@ -1,0 +1,188 @@
+"""Metric names, their definitions, and their computation from reduced batch totals.
+
+Conventions (all metrics are global over the reducer's batch group):
+* a *valid token* is a loss token (loss_mask = 1) with finite log-probs; a *valid sequence* has >= 1 valid token;
+* ``r = pi_train / pi_rollout``; ``lr = log r`` clamped to the safety bound (+-20) before any ``exp``;
+* token means are over all valid tokens, sequence means over valid sequences, whatever was rejected;
+* IS mean/std/ESS describe the bounded weights the loss uses (kept tokens, before batch normalization);
+  IS min/max/quantiles/fractions describe the raw ratio before bounding (valid tokens);
+* a mean or extreme over an empty set is reported as 0.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Optional
+
+import torch
+
+from .quantiles import QUANTILES, quantiles_from_histogram
+
+# name -> (when it is reported, definition).  docs/metrics.md is checked against this table by a test.
+METRICS = {
+    # mismatch (always)
+    "training_log_ppl": ("always", "mean over sequences of -mean_t log pi_train"),
+    "training_ppl": ("always", "mean over sequences of exp(-mean_t log pi_train)"),
+    "rollout_log_ppl": ("always", "mean over sequences of -mean_t log pi_rollout"),
+    "rollout_ppl": ("always", "mean over sequences of exp(-mean_t log pi_rollout)"),
+    "log_ppl_diff": ("always", "mean over sequences of d_i = mean_t log pi_rollout - mean_t log pi_train "
+                               "(= training log-ppl - rollout log-ppl)"),
+    "log_ppl_abs_diff": ("always", "mean over sequences of |d_i|"),
+    "log_ppl_diff_max": ("always", "max over sequences of d_i"),
+    "log_ppl_diff_min": ("always", "min over sequences of d_i"),
+    "ppl_ratio": ("always", "mean over sequences of exp(d_i) = training_ppl_i / rollout_ppl_i"),
+    "kl": ("always", "token mean of log pi_rollout - log pi_train (KL(rollout || train) estimator k1)"),
+    "k3_kl": ("always", "token mean of r - 1 - log r"),
+    "chi2_token": ("always", "token mean of r^2, minus 1"),
+    "chi2_seq": ("always", "mean over sequences of exp(2 * clamp(sum_t log r)), minus 1"),
+    "train_rollout_logprob_abs_diff": ("always", "token mean of |log pi_train - log pi_rollout|"),
+    "rejected_token_fraction": ("always", "fraction of loss tokens removed from the loss (RS, veto, mask mode, "
+                                          "non-finite)"),
+    "rejected_seq_fraction": ("always", "fraction of sequences none of whose tokens stay in the loss"),
+    # non-finite inputs (on_nonfinite='reject')
+    "nonfinite_token_fraction": ("on_nonfinite=reject", "fraction of loss tokens with a NaN/inf log-prob"),
+    "nonfinite_seq_fraction": ("on_nonfinite=reject", "fraction of sequences rejected for NaN/inf log-probs"),
+    # IS weights
+    "rollout_is_mean": ("IS on", "mean bounded IS weight over kept tokens (before batch normalization)"),
+    "rollout_is_std": ("IS on", "standard deviation of the bounded IS weight over kept tokens"),
+    "rollout_is_eff_sample_size": ("IS on", "effective sample size fraction (E[w])^2 / E[w^2] over kept tokens"),
+    "rollout_is_min": ("IS on", "true batch minimum of the raw ratio (token ratio, or sequence/geometric ratio)"),
+    "rollout_is_max": ("IS on", "true batch maximum of the raw ratio (exp of the safety-bounded log-ratio)"),
+    "rollout_is_p25": ("IS on", "25th percentile of the raw ratio over valid tokens (streaming histogram)"),
+    "rollout_is_p50": ("IS on", "median of the raw ratio over valid tokens"),
+    "rollout_is_p75": ("IS on", "75th percentile of the raw ratio over valid tokens"),
+    "rollout_is_p95": ("IS on", "95th percentile of the raw ratio over valid tokens"),
+    "rollout_is_p99": ("IS on", "99th percentile of the raw ratio over valid tokens"),
+    "rollout_is_ratio_fraction_high": ("IS on", "fraction of valid tokens whose raw ratio exceeds the upper bound"),
+    "rollout_is_ratio_fraction_low": ("IS on", "fraction of valid tokens whose raw ratio is below the lower bound"),
+    "rollout_is_seq_mean": ("IS on", "mean over sequences of the sequence weight (bounded sequence/geometric "
+                                     "weight; at token level the sequence's mean bounded token weight)"),
+    "rollout_is_seq_std": ("IS on", "standard deviation over sequences of the sequence weight"),
+    "rollout_is_seq_min": ("IS on", "minimum over sequences of the sequence weight"),
+    "rollout_is_seq_max": ("IS on", "maximum over sequences of the sequence weight"),
+    "rollout_is_seq_max_deviation": ("IS on", "maximum over sequences of |sequence weight - 1|"),
+    "rollout_is_seq_fraction_high": ("IS on", "fraction of sequences whose raw sequence ratio (geometric mean at "
+                                              "token level) exceeds the upper bound"),
+    "rollout_is_seq_fraction_low": ("IS on", "fraction of sequences whose raw sequence ratio is below the lower "
+                                             "bound"),
+    "rollout_is_batch_norm_factor": ("IS on, batch normalization", "global mean weight the weights were divided by"),
+    "rollout_is_masked_fraction": ("IS mode mask", "fraction of valid tokens rejected by mask mode"),
+    "rollout_is_seq_masked_fraction": ("IS mode mask", "fraction of sequences that lost tokens to mask mode"),
+    # rejection sampling
+    "rollout_rs_masked_fraction": ("RS on", "fraction of valid tokens rejected by any RS criterion"),
+    "rollout_rs_seq_masked_fraction": ("RS on", "fraction of sequences that lost >= 1 token to RS"),
+    "rollout_rs_<option>_masked_fraction": ("RS on", "fraction of valid tokens rejected by that criterion"),
+    "rollout_rs_<option>_seq_masked_fraction": ("RS on", "fraction of sequences that lost >= 1 token to it"),
+    # veto
+    "rollout_is_veto_fraction": ("veto on", "fraction of sequences vetoed (some token ratio < veto threshold)"),
+    "rollout_is_catastrophic_token_fraction": ("veto on", "fraction of valid tokens with ratio < veto threshold"),
+}
+
+
+class Totals:
+    """Collects named batch totals (summed across ranks) and extremes (maxed across ranks)."""
+
+    def __init__(self, device):
+        self.device = device
+        self._sum_names, self._sum_values, self._sizes = [], [], []
+        self._max_names, self._max_values = [], []
+
+    def add(self, name: str, value) -> None:
+        self.add_vector(name, torch.as_tensor(value, dtype=torch.float64, device=self.device).reshape(1))
+
+    def add_vector(self, name: str, values: torch.Tensor) -> None:
+        self._sum_names.append(name)
+        self._sum_values.append(values.to(torch.float64).reshape(-1))
+        self._sizes.append(values.numel())
+
+    def add_max(self, name: str, value: Optional[torch.Tensor]) -> None:
+        """``value`` None (an empty local batch) contributes -inf."""
+        v = torch.full((1,), -math.inf, dtype=torch.float64, device=self.device) if value is None else \
+            torch.as_tensor(value, dtype=torch.float64, device=self.device).reshape(1)
+        self._max_names.append(name)
+        self._max_values.append(v)
+
+    def reduce(self, reducer) -> Dict[str, torch.Tensor]:
+        sums = reducer.sum_totals(torch.cat(self._sum_values))
+        out = {}
+        for name, part, size in zip(self._sum_names, sums.split(self._sizes), self._sizes):
+            out[name] = part if name == "hist" else part[0]
+        if self._max_values:
+            maxes = reducer.max_totals(torch.cat(self._max_values))
+            out.update(zip(self._max_names, maxes.unbind()))
+        return out
+
+
+def _div(a, b):
+    return a / b.clamp(min=1)
+
+
+def _finite_or_zero(x):
+    return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+
+
+def finish_metrics(t: Dict[str, torch.Tensor], config, norm: Optional[torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Metric values (0-d float64 tensors) from reduced totals."""
+    tokens, seqs, loss_tokens = t["tokens"], t["valid_seqs"], t["loss_tokens"]
+    all_seqs = t["loss_seqs"]
+    m = {
+        "training_log_ppl": _div(t["train_log_ppl"], seqs),
+        "training_ppl": _div(t["train_ppl"], seqs),
+        "rollout_log_ppl": _div(t["rollout_log_ppl"], seqs),
+        "rollout_ppl": _div(t["rollout_ppl"], seqs),
+        "log_ppl_diff": _div(t["log_ppl_diff"], seqs),
+        "log_ppl_abs_diff": _div(t["log_ppl_abs_diff"], seqs),
+        "log_ppl_diff_max": _finite_or_zero(t["log_ppl_diff_max"]),
+        "log_ppl_diff_min": _finite_or_zero(-t["log_ppl_diff_neg_min"]),
+        "ppl_ratio": _div(t["ppl_ratio"], seqs),
+        "kl": _div(-t["lr_sum"], tokens),
+        "k3_kl": _div(t["ratio_sum"] - tokens - t["lr_c_sum"], tokens),
+        "chi2_token": _div(t["ratio_sq_sum"], tokens) - (tokens > 0).double(),
+        "chi2_seq": _div(t["seq_ratio_sq"], seqs) - (seqs > 0).double(),
+        "train_rollout_logprob_abs_diff": _div(t["lr_abs_sum"], tokens),
+        "rejected_token_fraction": _div(loss_tokens - t["kept_tokens"], loss_tokens),
+        "rejected_seq_fraction": _div(t["rejected_seqs"], all_seqs),
+    }
+    if config.on_nonfinite == "reject":
+        m["nonfinite_token_fraction"] = _div(t["nonfinite_tokens"], loss_tokens)
+        m["nonfinite_seq_fraction"] = _div(t["nonfinite_seqs"], all_seqs)
+    if config.is_enabled:
+        bound = config.safety_bound
+        n = t["is_norm_count"]
+        mean = _div(t["w_kept_sum"], n)
+        mean_sq = _div(t["w_kept_sq_sum"], n)
+        m["rollout_is_mean"] = mean
+        m["rollout_is_std"] = (mean_sq - mean * mean).clamp(min=0).sqrt()
+        m["rollout_is_eff_sample_size"] = torch.where(mean_sq > 0, mean * mean / mean_sq.clamp(min=1e-300),
+                                                      torch.zeros_like(mean))
+        m["rollout_is_min"] = torch.exp(_finite_or_zero(-t["raw_neg_min"]).clamp(-bound, bound)) * (tokens > 0)
+        m["rollout_is_max"] = torch.exp(_finite_or_zero(t["raw_max"]).clamp(-bound, bound)) * (tokens > 0)
+        qs = quantiles_from_histogram(t["hist"], config.quantile_bins_per_octave, bound)
+        for q, v in zip(QUANTILES, qs.unbind()):
+            m[f"rollout_is_p{round(q * 100)}"] = torch.exp(v) * (tokens > 0)
+        m["rollout_is_ratio_fraction_high"] = _div(t["raw_above"], tokens)
+        m["rollout_is_ratio_fraction_low"] = _div(t["raw_below"], tokens)
+        seq_mean = _div(t["is_seq_w"], seqs)
+        m["rollout_is_seq_mean"] = seq_mean
+        m["rollout_is_seq_std"] = (_div(t["is_seq_w_sq"], seqs) - seq_mean * seq_mean).clamp(min=0).sqrt()
+        m["rollout_is_seq_min"] = _finite_or_zero(-t["is_seq_neg_min"])
+        m["rollout_is_seq_max"] = _finite_or_zero(t["is_seq_max"])
+        m["rollout_is_seq_max_deviation"] = _finite_or_zero(t["is_seq_max_dev"])
+        m["rollout_is_seq_fraction_high"] = _div(t["is_seq_above"], seqs)
+        m["rollout_is_seq_fraction_low"] = _div(t["is_seq_below"], seqs)
+        if norm is not None:
+            m["rollout_is_batch_norm_factor"] = norm
+        if config.is_mode == "mask":
+            m["rollout_is_masked_fraction"] = _div(t["rollout_is_mask_tokens"], tokens)
+            m["rollout_is_seq_masked_fraction"] = _div(t["rollout_is_mask_seqs"], all_seqs)
+    if config.rs:
+        m["rollout_rs_masked_fraction"] = _div(t["rollout_rs_tokens"], tokens)
+        m["rollout_rs_seq_masked_fraction"] = _div(t["rollout_rs_seqs"], all_seqs)
+        for c in config.rs:
+            name = f"rollout_rs_{c.option}"
+            m[name + "_masked_fraction"] = _div(t[name + "_tokens"], tokens)
+            m[name + "_seq_masked_fraction"] = _div(t[name + "_seqs"], all_seqs)
+    if config.veto_threshold is not None:
+        m["rollout_is_veto_fraction"] = _div(t["rollout_is_veto_seqs"], all_seqs)
+        m["rollout_is_catastrophic_token_fraction"] = _div(t["veto_tokens"], tokens)
+    return m

@@ -1,0 +1,74 @@
+"""Streaming quantiles of log-ratios: a fixed-size histogram that sums exactly across ranks.
+
+Sorting (``torch.quantile``) needs every value on one rank and fails on large inputs.  Instead each value
+``x`` (a log-ratio, |x| <= safety bound) falls into a bin of a log-magnitude grid read straight off the
+float32 bit pattern: ``bins_per_octave`` bins per power of two of |x|, so a bin spans at most
+``|x| / bins_per_octave``.  Magnitudes below ``2**MIN_EXPONENT`` share the central bin (ratio 1).
+Counts are integers, so histograms from any split of the batch add up to the same histogram, and the
+quantiles read from it are identical however the batch was distributed.
+
+A quantile ``q`` is the nearest-rank order statistic (rank ``ceil(q * n)``); we report the centre of the bin
+holding it, hence ``|reported - true| <= |true| / (2 * bins_per_octave) + 2**MIN_EXPONENT`` in log space.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+MIN_EXPONENT = -24
+QUANTILES = (0.25, 0.50, 0.75, 0.95, 0.99)
+
+
+def _half_bins(bins_per_octave: int, bound: float) -> int:
+    top_exponent = math.frexp(bound)[1]  # bound < 2**top_exponent
+    return (top_exponent - MIN_EXPONENT) * bins_per_octave
+
+
+def num_bins(bins_per_octave: int, bound: float) -> int:
+    return 2 * _half_bins(bins_per_octave, bound) + 1
+
+
+def bin_index(x: torch.Tensor, bins_per_octave: int, bound: float) -> torch.Tensor:
+    """``[N] float32 -> [N] int64`` bin of each value; bin order follows value order, centre bin = 0."""
+    shift = 23 - int(math.log2(bins_per_octave))
+    offset = (127 + MIN_EXPONENT) << (23 - shift)
+    mag = x.abs().clamp_(min=2.0 ** MIN_EXPONENT, max=bound)
+    # For positive floats the IEEE-754 bit pattern grows with the value: exponent, then mantissa.
+    k = (mag.view(torch.int32) >> shift).sub_(offset).long()
+    half = _half_bins(bins_per_octave, bound)
+    return torch.where(x < 0, half - k, half + k)
+
+
+def histogram(x: torch.Tensor, bins_per_octave: int, bound: float, weights=None) -> torch.Tensor:
+    """Histogram (float64 counts) of ``x`` on the grid above; ``weights`` count each value that many times."""
+    n = num_bins(bins_per_octave, bound)
+    idx = bin_index(x.float(), bins_per_octave, bound)
+    if weights is None:
+        return torch.bincount(idx, minlength=n).double()
+    return torch.bincount(idx, weights=weights.double(), minlength=n)
+
+
+def bin_centres(bins_per_octave: int, bound: float, device=None) -> torch.Tensor:
+    """Log-space value reported for each bin (float64, ``[num_bins]``)."""
+    shift = 23 - int(math.log2(bins_per_octave))
+    half = _half_bins(bins_per_octave, bound)
+    k = torch.arange(half + 2, dtype=torch.int64, device=device)
+    edges = ((k + ((127 + MIN_EXPONENT) << (23 - shift))) << shift).to(torch.int32).view(torch.float32).double()
+    mags = (edges[:-1] + edges[1:]) / 2
+    mags[0] = 0.0  # the centre bin holds |x| < 2**MIN_EXPONENT (and exact zeros)
+    mags = mags.clamp(max=bound)
+    return torch.cat([-mags.flip(0)[:-1], mags])
+
+
+def quantiles_from_histogram(counts: torch.Tensor, bins_per_octave: int, bound: float,
+                             qs=QUANTILES) -> torch.Tensor:
+    """Log-space quantiles ``[len(qs)]`` (float64) from histogram counts; zeros if the histogram is empty."""
+    total = counts.sum()
+    if float(total) <= 0:
+        return torch.zeros(len(qs), dtype=torch.float64, device=counts.device)
+    cum = counts.cumsum(0)
+    ranks = torch.ceil(torch.tensor(qs, dtype=torch.float64, device=counts.device) * total).clamp(min=1)
+    pos = torch.searchsorted(cum, ranks - 0.5)  # first bin whose cumulative count reaches the rank
+    return bin_centres(bins_per_octave, bound, counts.device)[pos.clamp(max=counts.numel() - 1)]
