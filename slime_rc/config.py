@@ -220,7 +220,7 @@ class RolloutCorrectionConfig:
                     f"is_lower_bound={lower} must be < is_upper_bound={upper}; "
                     f"lower it or leave it unset (it defaults to 1/upper = {1 / upper:g}).")
             object.__setattr__(self, "is_lower_bound", lower)
-        elif not 1.0 / upper < upper:
+        elif self.is_mode != "truncate" and not 1.0 / upper < upper:
             raise ValueError(
                 f"is_upper_bound={upper} must be > 1 when is_lower_bound is unset (the lower bound defaults to "
                 f"1/upper = {1 / upper:g}); raise it or set is_lower_bound explicitly.")
@@ -312,10 +312,12 @@ class RolloutCorrectionConfig:
             if slime.get("use_rs"):
                 kwargs["rs"] = parse_rejection_criteria(
                     slime.get("rs_level") or "token", slime.get("rs_upper_bound"), slime.get("rs_lower_bound"))
-        if isinstance(kwargs.get("rs"), (str, list)) and kwargs["rs"] and not isinstance(
-                kwargs["rs"][0], RejectionCriterion):
-            raise ValueError("rs must be a tuple of RejectionCriterion; use the slime keys use_rs/rs_level/"
-                             "rs_upper_bound to give rejection options as strings.")
+        if isinstance(kwargs.get("rs"), (list, tuple)):
+            # to_dict() writes criteria as {option, upper, lower} mappings
+            kwargs["rs"] = tuple(RejectionCriterion(**c) if isinstance(c, Mapping) else c for c in kwargs["rs"])
+        elif isinstance(kwargs.get("rs"), str):
+            raise ValueError(f"rs={kwargs['rs']!r}: give rejection options as strings through the slime keys "
+                             f"use_rs / rs_level / rs_upper_bound, or build criteria with parse_rejection_criteria.")
         return cls(**kwargs)
 
     def to_dict(self) -> dict:

@@ -96,7 +96,7 @@ def compute_rollout_correction(
 
     # ---- 1. per token ---------------------------------------------------------------------------------------
     lr_raw = train - rollout
-    valid = mask & torch.isfinite(lr_raw)  # a non-finite log-prob on either side makes log r non-finite
+    valid = mask & (lr_raw.abs() < math.inf)  # NaN or inf on either side makes log r non-finite
     n_loss_tokens = mask.sum()
     n_valid = valid.sum()
     n_bad = int(n_loss_tokens - n_valid)
@@ -108,11 +108,12 @@ def compute_rollout_correction(
         lr, rollout_v = lr_raw, rollout
     lr_c = lr.clamp(-bound, bound)
     ratio = torch.exp(lr_c)  # safety-bounded per-token ratio; exactly 1 on invalid tokens
+    lr64 = lr.double()  # one float64 copy feeds every sum below (sum(dtype=...) would copy each time)
 
     # Per-sequence sums (columns of collective 1).  Count columns of rare events (non-finite, veto, rejections)
     # skip the prefix sum when this rank has none; the column set itself depends only on the config, so every
     # rank sends the same shape.
-    sum_cols = {"n": valid, "lr": lr, "rollout": rollout_v, "bad": (mask & ~valid) if n_bad else None}
+    sum_cols = {"n": valid, "lr": lr64, "rollout": rollout_v, "bad": (mask & ~valid) if n_bad else None}
     max_cols = {}
     token_counts = {"nonfinite_tokens": n_bad}  # local token counts, summed in collective 2
 
@@ -258,15 +259,18 @@ def compute_rollout_correction(
 
     # ---- batch totals (collective 2) and extremes (collective 3) --------------------------------------------
     t = Totals(dev)
-    t.add("tokens", n_valid)
-    t.add("loss_tokens", n_loss_tokens)
-    t.add("kept_tokens", keep_f.sum(dtype=torch.float64))
-    t.add("lr_sum", lr.sum(dtype=torch.float64))
-    t.add("lr_abs_sum", torch.linalg.vector_norm(lr, 1, dtype=torch.float64))
-    # sums of r and r^2 over valid tokens: invalid tokens hold r = 1 exactly, so subtract their count
-    t.add("ratio_sum", ratio.sum(dtype=torch.float64) - n_invalid)
-    t.add("ratio_sq_sum", torch.dot(ratio, ratio).double() - n_invalid)
-    t.add("lr_c_sum", lr_c.sum(dtype=torch.float64))
+    t.add("tokens", int(n_valid))
+    t.add("loss_tokens", int(n_loss_tokens))
+    t.add("kept_tokens", keep.sum())
+    t.add("lr_sum", lr64.sum())
+    t.add("lr_abs_sum", torch.linalg.vector_norm(lr64, 1))
+    lr_c64 = lr64.clamp(-bound, bound)
+    t.add("lr_c_sum", lr_c64.sum())
+    # sums of r and r^2 over valid tokens: invalid tokens hold r = 1 exactly, so take their count off after
+    ratio64 = ratio.double()
+    t.add("ratio_sum_all", ratio64.sum())
+    t.add("ratio_sq_sum_all", torch.dot(ratio64, ratio64))
+    t.add("invalid_tokens", n_invalid)
     for name, count in token_counts.items():
         t.add(name, count)
 
@@ -291,27 +295,38 @@ def compute_rollout_correction(
 
     w_seq_stat = None
     if config.is_enabled:
-        t.add("w_kept_sum", weights.sum(dtype=torch.float64))
-        t.add("w_kept_sq_sum", torch.dot(weights, weights).double())
-        t.add("is_norm_count", keep_f.sum(dtype=torch.float64))
+        w64 = weights.double()
+        t.add("w_kept_sum", w64.sum())
+        t.add("w_kept_sq_sum", torch.dot(w64, w64))
         log_hi, log_lo = math.log(config.is_upper_bound), math.log(config.is_lower)
         bins = config.quantile_bins_per_octave
         if is_token:
             w_seq_stat = col["w_token"] / n_safe  # mean bounded token weight of each sequence
             raw_seq_stat = g_i  # its raw counterpart: the geometric-mean ratio
-            t.add("raw_above", (valid & (lr > log_hi)).sum())
-            t.add("raw_below", (valid & (lr < log_lo)).sum())
+            # invalid tokens hold lr == 0: they can only count when a bound sits on the wrong side of 1
+            above, below = lr > log_hi, lr < log_lo
+            t.add("raw_above", (above if log_hi >= 0 else above & valid).sum())
+            t.add("raw_below", (below if log_lo <= 0 else below & valid).sum())
             hist = histogram(lr, bins, bound)
-            hist[hist.numel() // 2] -= n_invalid  # invalid tokens have lr == 0 exactly: take them out
-            t.add_vector("hist", hist)
-            t.add_max("raw_max", lr_c.masked_fill(~valid, -math.inf).max() if n_tokens else None)
-            t.add_max("raw_neg_min", lr_c.neg().masked_fill_(~valid, -math.inf).max() if n_tokens else None)
+            hist[hist.numel() // 2] -= n_invalid  # ... and land in the centre bin: take them out there
+            t.add_histogram(hist)
+            if n_tokens and n_invalid == 0:
+                lo_hi = lr_c.aminmax()
+                t.add_max("raw_max", lo_hi.max)
+                t.add_max("raw_neg_min", -lo_hi.min)
+            elif int(n_valid):
+                lo_hi = lr_c[valid].aminmax()
+                t.add_max("raw_max", lo_hi.max)
+                t.add_max("raw_neg_min", -lo_hi.min)
+            else:
+                t.add_max("raw_max", None)
+                t.add_max("raw_neg_min", None)
         else:
             w_seq_stat, raw_seq_stat = w_seq, raw_seq
             # token-weighted sums of a per-sequence value use this rank's token counts: exact after the SUM
             t.add("raw_above", (local_n * (raw_seq > log_hi)).sum())
             t.add("raw_below", (local_n * (raw_seq < log_lo)).sum())
-            t.add_vector("hist", histogram(raw_seq.clamp(-bound, bound), bins, bound, weights=local_n))
+            t.add_histogram(histogram(raw_seq.clamp(-bound, bound), bins, bound, weights=local_n))
             seq_terms["w_kept_seq_sum"] = torch.where(seq_kept, w_seq, 0.0)
             seq_maxes["raw_max"] = raw_seq
             seq_maxes["raw_neg_min"] = -raw_seq
@@ -324,18 +339,25 @@ def compute_rollout_correction(
         seq_maxes["is_seq_max_dev"] = (w_seq_stat - 1).abs()
 
     # Sequence-level totals are identical on every rank of a sequence group: exactly one rank counts them.
-    seq_matrix = torch.stack([v.double() for v in seq_terms.values()], 1) if n_seqs else \
-        torch.zeros(0, len(seq_terms), dtype=torch.float64, device=dev)
-    seq_sums = seq_matrix.sum(0) if reducer.counts_sequences else torch.zeros(len(seq_terms), dtype=torch.float64,
-                                                                              device=dev)
-    for name, v in zip(seq_terms, seq_sums.unbind()):
-        t.add(name, v)
-    for name, v in seq_maxes.items():
-        t.add_max(name, torch.where(has_tokens, v, -math.inf).max() if n_seqs else None)
+    if n_seqs and reducer.counts_sequences:
+        seq_sums = torch.stack(list(seq_terms.values()), 1).sum(0, dtype=torch.float64)
+    else:
+        seq_sums = torch.zeros(len(seq_terms), dtype=torch.float64, device=dev)
+    t.add_many(seq_terms, seq_sums)
+    if n_seqs:
+        seq_max_vec = torch.stack(list(seq_maxes.values()), 1).masked_fill(~has_tokens[:, None], -math.inf).amax(0)
+        for name, v in zip(seq_maxes, seq_max_vec.unbind()):
+            t.add_max(name, v)
+    else:
+        for name in seq_maxes:
+            t.add_max(name, None)
 
-    totals = t.reduce(reducer)
+    totals, hist = t.reduce(reducer)
+    totals["ratio_sum"] = totals["ratio_sum_all"] - totals["invalid_tokens"]
+    totals["ratio_sq_sum"] = totals["ratio_sq_sum_all"] - totals["invalid_tokens"]
+    totals["is_norm_count"] = totals["kept_tokens"]
 
-    if config.on_nonfinite == "error" and float(totals["nonfinite_tokens"]) > 0:
+    if config.on_nonfinite == "error" and totals["nonfinite_tokens"] > 0:
         # every rank of the batch group sees the global count, so all of them raise together
         where = first_nonfinite(train, rollout, mask & ~valid, cu) if n_bad else None
         if where is None:
@@ -354,12 +376,13 @@ def compute_rollout_correction(
             denom_w, denom_n = totals["w_kept_sum"], totals["is_norm_count"]
         else:
             denom_w, denom_n = totals["w_kept_seq_sum"], totals["kept_seqs"]
-        mean_w = denom_w / denom_n.clamp(min=1)
+        mean_w = denom_w / denom_n if denom_n > 0 else 0.0
         # nothing kept (or weights all zero): leave weights as they are rather than divide by zero
-        norm = torch.where(mean_w > 0, mean_w, torch.ones_like(mean_w))
-        weights = weights / norm.float()
+        norm = mean_w if mean_w > 0 else 1.0
+        weights = weights / norm
 
-    metrics = finish_metrics(totals, config, norm)
+    values = finish_metrics(totals, hist, config, norm)
+    metrics = dict(zip(values, torch.tensor(list(values.values()), dtype=torch.float64, device=dev).unbind()))
     sequences = {
         "valid_tokens": n_i,
         "log_ratio_sum": s_i,

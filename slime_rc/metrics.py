@@ -80,51 +80,81 @@ METRICS = {
 
 
 class Totals:
-    """Collects named batch totals (summed across ranks) and extremes (maxed across ranks)."""
+    """Collects named batch totals (summed across ranks) and extremes (maxed across ranks).
+
+    Values are gathered into one float64 vector per kind so that a call costs one collective each, and are
+    read back to Python floats in one transfer: the metric formulas then cost no tensor operations.
+    """
 
     def __init__(self, device):
         self.device = device
-        self._sum_names, self._sum_values, self._sizes = [], [], []
+        self._sum_names, self._sum_values = [], []  # 0-d tensors or Python numbers
+        self._vec_names, self._vec_values = [], []  # [k] float64 tensors
         self._max_names, self._max_values = [], []
 
     def add(self, name: str, value) -> None:
-        self.add_vector(name, torch.as_tensor(value, dtype=torch.float64, device=self.device).reshape(1))
-
-    def add_vector(self, name: str, values: torch.Tensor) -> None:
         self._sum_names.append(name)
-        self._sum_values.append(values.to(torch.float64).reshape(-1))
-        self._sizes.append(values.numel())
+        self._sum_values.append(value)
 
-    def add_max(self, name: str, value: Optional[torch.Tensor]) -> None:
+    def add_many(self, names, values: torch.Tensor) -> None:
+        """``values``: ``[len(names)]`` tensor of totals."""
+        self._vec_names.append(list(names))
+        self._vec_values.append(values.to(torch.float64).reshape(-1))
+
+    def add_histogram(self, values: torch.Tensor) -> None:
+        self._vec_names.append(None)
+        self._vec_values.append(values.to(torch.float64).reshape(-1))
+
+    def add_max(self, name: str, value) -> None:
         """``value`` None (an empty local batch) contributes -inf."""
-        v = torch.full((1,), -math.inf, dtype=torch.float64, device=self.device) if value is None else \
-            torch.as_tensor(value, dtype=torch.float64, device=self.device).reshape(1)
         self._max_names.append(name)
-        self._max_values.append(v)
+        self._max_values.append(-math.inf if value is None else value)
 
-    def reduce(self, reducer) -> Dict[str, torch.Tensor]:
-        sums = reducer.sum_totals(torch.cat(self._sum_values))
-        out = {}
-        for name, part, size in zip(self._sum_names, sums.split(self._sizes), self._sizes):
-            out[name] = part if name == "hist" else part[0]
+    @staticmethod
+    def _vector(names, values, device):
+        """Order: tensor-valued entries (one stack), then Python numbers (one tensor)."""
+        tn = [n for n, v in zip(names, values) if isinstance(v, torch.Tensor)]
+        tv = [v for v in values if isinstance(v, torch.Tensor)]  # 0-d; stack promotes them to float64
+        pn = [n for n, v in zip(names, values) if not isinstance(v, torch.Tensor)]
+        pv = [float(v) for v in values if not isinstance(v, torch.Tensor)]
+        parts = ([torch.stack(tv).double()] if tv else []) + [torch.tensor(pv, dtype=torch.float64, device=device)]
+        return tn + pn, torch.cat(parts)
+
+    def reduce(self, reducer):
+        """-> (dict name -> Python float, histogram tensor or None)."""
+        names, head = self._vector(self._sum_names, self._sum_values, self.device)
+        parts = [head] + self._vec_values
+        sums = reducer.sum_totals(torch.cat(parts))
+        chunks = sums.split([p.numel() for p in parts])
+        out = dict(zip(names, chunks[0].tolist()))
+        hist = None
+        for vec_names, chunk in zip(self._vec_names, chunks[1:]):
+            if vec_names is None:
+                hist = chunk
+            else:
+                out.update(zip(vec_names, chunk.tolist()))
         if self._max_values:
-            maxes = reducer.max_totals(torch.cat(self._max_values))
-            out.update(zip(self._max_names, maxes.unbind()))
-        return out
+            names, vec = self._vector(self._max_names, self._max_values, self.device)
+            out.update(zip(names, reducer.max_totals(vec).tolist()))
+        return out, hist
 
 
-def _div(a, b):
-    return a / b.clamp(min=1)
+def _div(a: float, b: float) -> float:
+    return a / b if b > 0 else 0.0
 
 
-def _finite_or_zero(x):
-    return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+def _fin(x: float) -> float:
+    return x if math.isfinite(x) else 0.0
 
 
-def finish_metrics(t: Dict[str, torch.Tensor], config, norm: Optional[torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """Metric values (0-d float64 tensors) from reduced totals."""
-    tokens, seqs, loss_tokens = t["tokens"], t["valid_seqs"], t["loss_tokens"]
-    all_seqs = t["loss_seqs"]
+def _exp(x: float, bound: float) -> float:
+    return math.exp(min(max(x, -bound), bound))
+
+
+def finish_metrics(t: Dict[str, float], hist: Optional[torch.Tensor], config,
+                   norm: Optional[float]) -> Dict[str, float]:
+    """Metric values (Python floats) from reduced totals."""
+    tokens, seqs, loss_tokens, all_seqs = t["tokens"], t["valid_seqs"], t["loss_tokens"], t["loss_seqs"]
     m = {
         "training_log_ppl": _div(t["train_log_ppl"], seqs),
         "training_ppl": _div(t["train_ppl"], seqs),
@@ -132,13 +162,13 @@ def finish_metrics(t: Dict[str, torch.Tensor], config, norm: Optional[torch.Tens
         "rollout_ppl": _div(t["rollout_ppl"], seqs),
         "log_ppl_diff": _div(t["log_ppl_diff"], seqs),
         "log_ppl_abs_diff": _div(t["log_ppl_abs_diff"], seqs),
-        "log_ppl_diff_max": _finite_or_zero(t["log_ppl_diff_max"]),
-        "log_ppl_diff_min": _finite_or_zero(-t["log_ppl_diff_neg_min"]),
+        "log_ppl_diff_max": _fin(t["log_ppl_diff_max"]),
+        "log_ppl_diff_min": _fin(-t["log_ppl_diff_neg_min"]),
         "ppl_ratio": _div(t["ppl_ratio"], seqs),
         "kl": _div(-t["lr_sum"], tokens),
         "k3_kl": _div(t["ratio_sum"] - tokens - t["lr_c_sum"], tokens),
-        "chi2_token": _div(t["ratio_sq_sum"], tokens) - (tokens > 0).double(),
-        "chi2_seq": _div(t["seq_ratio_sq"], seqs) - (seqs > 0).double(),
+        "chi2_token": _div(t["ratio_sq_sum"], tokens) - 1.0 if tokens > 0 else 0.0,
+        "chi2_seq": _div(t["seq_ratio_sq"], seqs) - 1.0 if seqs > 0 else 0.0,
         "train_rollout_logprob_abs_diff": _div(t["lr_abs_sum"], tokens),
         "rejected_token_fraction": _div(loss_tokens - t["kept_tokens"], loss_tokens),
         "rejected_seq_fraction": _div(t["rejected_seqs"], all_seqs),
@@ -152,22 +182,22 @@ def finish_metrics(t: Dict[str, torch.Tensor], config, norm: Optional[torch.Tens
         mean = _div(t["w_kept_sum"], n)
         mean_sq = _div(t["w_kept_sq_sum"], n)
         m["rollout_is_mean"] = mean
-        m["rollout_is_std"] = (mean_sq - mean * mean).clamp(min=0).sqrt()
-        m["rollout_is_eff_sample_size"] = torch.where(mean_sq > 0, mean * mean / mean_sq.clamp(min=1e-300),
-                                                      torch.zeros_like(mean))
-        m["rollout_is_min"] = torch.exp(_finite_or_zero(-t["raw_neg_min"]).clamp(-bound, bound)) * (tokens > 0)
-        m["rollout_is_max"] = torch.exp(_finite_or_zero(t["raw_max"]).clamp(-bound, bound)) * (tokens > 0)
-        qs = quantiles_from_histogram(t["hist"], config.quantile_bins_per_octave, bound)
-        for q, v in zip(QUANTILES, qs.unbind()):
-            m[f"rollout_is_p{round(q * 100)}"] = torch.exp(v) * (tokens > 0)
+        m["rollout_is_std"] = math.sqrt(max(mean_sq - mean * mean, 0.0))
+        m["rollout_is_eff_sample_size"] = mean * mean / mean_sq if mean_sq > 0 else 0.0
+        any_tokens = tokens > 0
+        m["rollout_is_min"] = _exp(_fin(-t["raw_neg_min"]), bound) if any_tokens else 0.0
+        m["rollout_is_max"] = _exp(_fin(t["raw_max"]), bound) if any_tokens else 0.0
+        qs = quantiles_from_histogram(hist, config.quantile_bins_per_octave, bound).tolist()
+        for q, v in zip(QUANTILES, qs):
+            m[f"rollout_is_p{round(q * 100)}"] = math.exp(v) if any_tokens else 0.0
         m["rollout_is_ratio_fraction_high"] = _div(t["raw_above"], tokens)
         m["rollout_is_ratio_fraction_low"] = _div(t["raw_below"], tokens)
         seq_mean = _div(t["is_seq_w"], seqs)
         m["rollout_is_seq_mean"] = seq_mean
-        m["rollout_is_seq_std"] = (_div(t["is_seq_w_sq"], seqs) - seq_mean * seq_mean).clamp(min=0).sqrt()
-        m["rollout_is_seq_min"] = _finite_or_zero(-t["is_seq_neg_min"])
-        m["rollout_is_seq_max"] = _finite_or_zero(t["is_seq_max"])
-        m["rollout_is_seq_max_deviation"] = _finite_or_zero(t["is_seq_max_dev"])
+        m["rollout_is_seq_std"] = math.sqrt(max(_div(t["is_seq_w_sq"], seqs) - seq_mean * seq_mean, 0.0))
+        m["rollout_is_seq_min"] = _fin(-t["is_seq_neg_min"])
+        m["rollout_is_seq_max"] = _fin(t["is_seq_max"])
+        m["rollout_is_seq_max_deviation"] = _fin(t["is_seq_max_dev"])
         m["rollout_is_seq_fraction_high"] = _div(t["is_seq_above"], seqs)
         m["rollout_is_seq_fraction_low"] = _div(t["is_seq_below"], seqs)
         if norm is not None:

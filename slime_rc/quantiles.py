@@ -13,6 +13,7 @@ holding it, hence ``|reported - true| <= |true| / (2 * bins_per_octave) + 2**MIN
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -36,9 +37,9 @@ def bin_index(x: torch.Tensor, bins_per_octave: int, bound: float) -> torch.Tens
     offset = (127 + MIN_EXPONENT) << (23 - shift)
     mag = x.abs().clamp_(min=2.0 ** MIN_EXPONENT, max=bound)
     # For positive floats the IEEE-754 bit pattern grows with the value: exponent, then mantissa.
-    k = (mag.view(torch.int32) >> shift).sub_(offset).long()
-    half = _half_bins(bins_per_octave, bound)
-    return torch.where(x < 0, half - k, half + k)
+    k = (mag.view(torch.int32) >> shift).sub_(offset)
+    # sign(x) * k places negative values below the centre bin; sign(0) = 0 lands in the centre bin
+    return (torch.sign(x) * k).add_(_half_bins(bins_per_octave, bound)).long()
 
 
 def histogram(x: torch.Tensor, bins_per_octave: int, bound: float, weights=None) -> torch.Tensor:
@@ -50,6 +51,7 @@ def histogram(x: torch.Tensor, bins_per_octave: int, bound: float, weights=None)
     return torch.bincount(idx, weights=weights.double(), minlength=n)
 
 
+@functools.lru_cache(maxsize=16)
 def bin_centres(bins_per_octave: int, bound: float, device=None) -> torch.Tensor:
     """Log-space value reported for each bin (float64, ``[num_bins]``)."""
     shift = 23 - int(math.log2(bins_per_octave))
@@ -65,10 +67,10 @@ def bin_centres(bins_per_octave: int, bound: float, device=None) -> torch.Tensor
 def quantiles_from_histogram(counts: torch.Tensor, bins_per_octave: int, bound: float,
                              qs=QUANTILES) -> torch.Tensor:
     """Log-space quantiles ``[len(qs)]`` (float64) from histogram counts; zeros if the histogram is empty."""
-    total = counts.sum()
-    if float(total) <= 0:
+    total = float(counts.sum())
+    if total <= 0:
         return torch.zeros(len(qs), dtype=torch.float64, device=counts.device)
     cum = counts.cumsum(0)
     ranks = torch.ceil(torch.tensor(qs, dtype=torch.float64, device=counts.device) * total).clamp(min=1)
     pos = torch.searchsorted(cum, ranks - 0.5)  # first bin whose cumulative count reaches the rank
-    return bin_centres(bins_per_octave, bound, counts.device)[pos.clamp(max=counts.numel() - 1)]
+    return bin_centres(bins_per_octave, float(bound), counts.device)[pos.clamp(max=counts.numel() - 1)]
