@@ -51,6 +51,10 @@ class CorrectionResult:
         return {prefix + k: v for k, v in self.metrics.items()}
 
 
+# Perplexity is exp(-mean log-prob), not a ratio: it gets no safety bound, only a float64 overflow guard.
+_PPL_EXP_MAX = 700.0
+
+
 def _k_stat(kind: str, lr_clamped: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
     """Per-token divergence: k2 = (log r)^2 / 2, k3 = r - 1 - log r (both >= 0)."""
     if kind == "k2":
@@ -283,9 +287,9 @@ def compute_rollout_correction(
         "kept_seqs": seq_kept,
         "rejected_seqs": (has_tokens | bad_seqs) & ~seq_kept,
         "train_log_ppl": -mean_train * has_tokens,
-        "train_ppl": torch.exp((-mean_train).clamp(max=bound)) * has_tokens,
+        "train_ppl": torch.exp((-mean_train).clamp(max=_PPL_EXP_MAX)) * has_tokens,
         "rollout_log_ppl": -mean_rollout * has_tokens,
-        "rollout_ppl": torch.exp((-mean_rollout).clamp(max=bound)) * has_tokens,
+        "rollout_ppl": torch.exp((-mean_rollout).clamp(max=_PPL_EXP_MAX)) * has_tokens,
         "log_ppl_diff": log_ppl_diff * has_tokens,
         "log_ppl_abs_diff": log_ppl_diff.abs() * has_tokens,
         "ppl_ratio": torch.exp(log_ppl_diff.clamp(-bound, bound)) * has_tokens,

@@ -85,9 +85,14 @@ def test_upper_bound_not_a_number():
 
 
 def test_upper_bound_at_most_one_without_lower():
-    _raises(lambda: RolloutCorrectionConfig(is_level="token", is_upper_bound=1.0), "is_upper_bound=1.0",
-            "> 1", "is_lower_bound")
-    _raises(lambda: RolloutCorrectionConfig(is_level="token", is_upper_bound=0.5), "is_upper_bound=0.5")
+    # clip and mask use the lower bound 1/upper, which must stay below the upper bound
+    for mode in ("clip", "mask"):
+        _raises(lambda: RolloutCorrectionConfig(is_level="token", is_mode=mode, is_upper_bound=1.0),
+                "is_upper_bound=1.0", "> 1", "is_lower_bound")
+        _raises(lambda: RolloutCorrectionConfig(is_level="token", is_mode=mode, is_upper_bound=0.5),
+                "is_upper_bound=0.5")
+    # truncate only caps from above: a cap at (or below) 1 is legal (vanilla TIS with tis_clip=1)
+    assert RolloutCorrectionConfig(is_level="token", is_upper_bound=1.0).is_upper_bound == 1.0
     # with an explicit lower bound an upper bound < 1 is legal
     c = RolloutCorrectionConfig(is_level="token", is_upper_bound=0.9, is_lower_bound=0.1)
     assert c.is_lower == 0.1
