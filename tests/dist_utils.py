@@ -111,7 +111,8 @@ def run_distributed(fn: Callable, world_size: int = 4, *, args: Sequence[Any] = 
             else:
                 problems.append(f"rank {rank} raised:\n{payload['traceback']}")
         if timed_out:
-            problems.insert(0, f"timed out after {timeout:.0f} s; ranks still running: {alive} (deadlock?)")
+            silent = [r for r in range(world_size) if results[r] is None]
+            problems.insert(0, f"timed out after {timeout:.0f} s; ranks without a result: {silent} (deadlock?)")
         if problems:
             raise DistributedRunError("distributed run failed:\n" + "\n".join(problems))
         return results
