@@ -309,6 +309,11 @@ class RolloutCorrectionConfig:
                              ("rs_veto_threshold", "veto_threshold")):
                 if slime.get(src) is not None:
                     kwargs[dst] = slime[src]
+            rs_keys = [k for k in ("rs_level", "rs_upper_bound", "rs_lower_bound") if slime.get(k) is not None]
+            if rs_keys and "use_rs" not in slime:
+                raise ValueError(
+                    f"{', '.join(rs_keys)} given without use_rs; add use_rs: true to enable rejection sampling "
+                    f"(or drop them).")
             if slime.get("use_rs"):
                 kwargs["rs"] = parse_rejection_criteria(
                     slime.get("rs_level") or "token", slime.get("rs_upper_bound"), slime.get("rs_lower_bound"))

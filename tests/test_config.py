@@ -434,3 +434,10 @@ def test_to_dict_round_trip(cfg):
 
 def test_from_dict_rs_string_rejected():
     _raises(lambda: RolloutCorrectionConfig.from_dict({"rs": "token"}), "rs='token'", "use_rs")
+
+
+def test_rs_keys_without_use_rs_are_refused():
+    with pytest.raises(ValueError, match="rs_level.*without use_rs"):
+        RolloutCorrectionConfig.from_dict({"rs_level": "geometric", "rs_upper_bound": 1.001})
+    # use_rs: false with thresholds left in the file is an explicit "off"
+    assert RolloutCorrectionConfig.from_dict({"use_rs": False, "rs_level": "token", "rs_upper_bound": 2.0}).rs == ()
