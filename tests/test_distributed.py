@@ -15,7 +15,6 @@ config and the rank.  Layouts (world size 4): DP2xCP2, TP2xCP2 (TP peers hold id
 from __future__ import annotations
 
 import math
-import os
 import types
 from typing import Dict, List
 
@@ -131,18 +130,16 @@ def shard(samples: List[dict], dp_size: int, dp_rank: int, cp_size: int, cp_rank
     starts = [0]
     for s in samples:
         starts.append(starts[-1] + s["R"])
-    local, gidx, bidx, lens, local_lists = [], [], [], [], []
+    local, gidx, bidx, idxs = [], [], [], []
     b_off = 0
     for k, s in enumerate(block):
         idx = zigzag_response_indices(s["P"] + s["R"], s["R"], cp_size, cp_rank)
         local.append({key: s[key][idx] for key in ("train", "rollout", "mask")} | {"R": idx.numel()})
-        gidx.append(starts[first + k] + idx)
-        bidx.append(b_off + idx)
+        gidx.append(starts[first + k] + idx)  # into the global packed batch
+        bidx.append(b_off + idx)  # into the DP block's packed batch
         b_off += s["R"]
-        lens.append(idx.numel())
-        local_lists.append(idx)
-    return dict(first=first, block=block, local=local, gidx=torch.cat(gidx), bidx=torch.cat(bidx),
-                lengths=lens, idx=local_lists)
+        idxs.append(idx)  # into the sample's response
+    return dict(first=first, block=block, local=local, gidx=torch.cat(gidx), bidx=torch.cat(bidx), idx=idxs)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -158,13 +155,13 @@ def _plain(res, token_index=None, seq_slice=None) -> dict:
     if seq_slice is not None:
         seqs = {k: v[seq_slice] for k, v in seqs.items()}
     return dict(weights=None if w is None else w.clone(), keep=keep.clone(),
-                metrics={k: float(v) for k, v in res.metrics.items()}, sequences={k: v.clone() for k, v in seqs.items()})
+                metrics={k: float(v) for k, v in res.metrics.items()},
+                sequences={k: v.clone() for k, v in seqs.items()})
 
 
 def _call(sh: dict, config, reducer):
     train, rollout, mask, cu = pack_samples(sh["local"])
-    res = compute_rollout_correction(train, rollout, mask, cu, config, reducer=reducer)
-    return res
+    return compute_rollout_correction(train, rollout, mask, cu, config, reducer=reducer)
 
 
 def _case_batch(name: str, clean: List[dict], with_nan: List[dict]) -> List[dict]:
@@ -240,7 +237,7 @@ def _mis_checks(samples, dp_size, dp_rank, cp_size, cp_rank) -> dict:
 
     sh = shard(samples, dp_size, dp_rank, cp_size, cp_rank)
     block, local = sh["block"], sh["local"]
-    g = torch.Generator().manual_seed(7 + dp_rank)  # pg_loss differs per DP rank, same on CP peers is not needed
+    g = torch.Generator().manual_seed(7 + dp_rank)  # any pg_loss works: the reference multiplies the same one
     out = {}
     for name, a in MIS_ARGS.items():
         args = types.SimpleNamespace(**a)
