@@ -314,17 +314,10 @@ def compute_rollout_correction(
             hist = histogram(lr, bins, bound)
             hist[hist.numel() // 2] -= n_invalid  # ... and land in the centre bin: take them out there
             t.add_histogram(hist)
-            if n_tokens and n_invalid == 0:
-                lo_hi = lr_c.aminmax()
-                t.add_max("raw_max", lo_hi.max)
-                t.add_max("raw_neg_min", -lo_hi.min)
-            elif int(n_valid):
-                lo_hi = lr_c[valid].aminmax()
-                t.add_max("raw_max", lo_hi.max)
-                t.add_max("raw_neg_min", -lo_hi.min)
-            else:
-                t.add_max("raw_max", None)
-                t.add_max("raw_neg_min", None)
+            valid_lr = lr_c if n_invalid == 0 else lr_c[valid]
+            lo_hi = valid_lr.aminmax() if valid_lr.numel() else None
+            t.add_max("raw_max", lo_hi.max if lo_hi else None)
+            t.add_max("raw_neg_min", -lo_hi.min if lo_hi else None)
         else:
             w_seq_stat, raw_seq_stat = w_seq, raw_seq
             # token-weighted sums of a per-sequence value use this rank's token counts: exact after the SUM
@@ -359,7 +352,6 @@ def compute_rollout_correction(
     totals, hist = t.reduce(reducer)
     totals["ratio_sum"] = totals["ratio_sum_all"] - totals["invalid_tokens"]
     totals["ratio_sq_sum"] = totals["ratio_sq_sum_all"] - totals["invalid_tokens"]
-    totals["is_norm_count"] = totals["kept_tokens"]
 
     if config.on_nonfinite == "error" and totals["nonfinite_tokens"] > 0:
         # every rank of the batch group sees the global count, so all of them raise together
@@ -377,7 +369,7 @@ def compute_rollout_correction(
     norm = None
     if config.is_enabled and config.is_batch_normalize:
         if is_token:
-            denom_w, denom_n = totals["w_kept_sum"], totals["is_norm_count"]
+            denom_w, denom_n = totals["w_kept_sum"], totals["kept_tokens"]
         else:
             denom_w, denom_n = totals["w_kept_seq_sum"], totals["kept_seqs"]
         mean_w = denom_w / denom_n if denom_n > 0 else 0.0

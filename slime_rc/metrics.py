@@ -178,7 +178,7 @@ def finish_metrics(t: Dict[str, float], hist: Optional[torch.Tensor], config,
         m["nonfinite_seq_fraction"] = _div(t["nonfinite_seqs"], all_seqs)
     if config.is_enabled:
         bound = config.safety_bound
-        n = t["is_norm_count"]
+        n = t["kept_tokens"]
         mean = _div(t["w_kept_sum"], n)
         mean_sq = _div(t["w_kept_sq_sum"], n)
         m["rollout_is_mean"] = mean
