@@ -10,13 +10,20 @@ The config is validated once, when it is built; the engine trusts it afterwards.
 from __future__ import annotations
 
 import difflib
+import functools
 import math
 from dataclasses import asdict, dataclass, fields
+import inspect
 from typing import Any, Mapping, Optional, Sequence, Union
+
+from .presets import PRESETS
 
 IS_LEVELS = ("token", "sequence", "geometric")
 IS_MODES = ("truncate", "clip", "mask")
 NONFINITE_POLICIES = ("error", "reject")
+# How the loss uses the correction (rollout_corr_math.md §3): who plays pi_old, and which policy loss.
+MODES = ("standard", "decoupled", "bypass")
+LOSS_TYPES = ("ppo_clip", "reinforce")
 
 # Rejection options.  Each is (granularity, aggregate, statistic):
 #   granularity "token" rejects single tokens, "sequence" rejects whole sequences;
@@ -189,6 +196,16 @@ class RolloutCorrectionConfig:
     ``rejected_in_denominator``: whether rejected tokens still count in the loss denominator (default no:
       rejection removes them from the loss entirely; ``True`` reproduces "gradient dilution" of other systems).
     ``quantile_bins_per_octave``: resolution of the streaming quantile metrics (see ``slime_rc.quantiles``).
+
+    Operating mode (what ``pi_train`` is, and the policy loss):
+      * ``mode``: ``standard`` (PPO on pi_theta/pi_old, pi_old recomputed, no correction), ``decoupled`` (pi_old
+        recomputed; IS/RS correct pi_rollout -> pi_old), ``bypass`` (pi_old := pi_rollout, no recompute pass).
+        Unset (None) resolves to ``decoupled`` when any IS/RS/veto is configured, else ``standard``.
+      * ``loss_type``: ``ppo_clip``, or ``reinforce`` (bypass only: -stopgrad(w) * log pi_theta * A with
+        w = pi_theta/pi_rollout from the engine).  In bypass + ``ppo_clip`` the PPO ratio already is
+        pi_theta/pi_rollout, so IS weights are diagnostics only (``is_weights_applied`` is False); rejection
+        (RS, veto, mask mode) still applies.
+      * ``get_mismatch_metrics``: compute the mismatch metrics even when nothing is corrected.
     """
 
     is_level: Optional[str] = None
@@ -202,6 +219,9 @@ class RolloutCorrectionConfig:
     on_nonfinite: str = "error"
     rejected_in_denominator: bool = False
     quantile_bins_per_octave: int = 128
+    mode: Optional[str] = None
+    loss_type: str = "ppo_clip"
+    get_mismatch_metrics: bool = False
 
     def __post_init__(self):
         if self.is_level is not None and self.is_level not in IS_LEVELS:
@@ -253,6 +273,39 @@ class RolloutCorrectionConfig:
                 16, 32, 64, 128, 256, 512, 1024):
             raise ValueError(
                 f"quantile_bins_per_octave={self.quantile_bins_per_octave!r} must be a power of two in [16, 1024].")
+        self._validate_mode()
+
+    def _validate_mode(self):
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type={self.loss_type!r} is not a policy loss; use one of {LOSS_TYPES}."
+                             + _closest(str(self.loss_type), LOSS_TYPES))
+        corrects = self.corrects
+        mode = self.mode if self.mode is not None else ("decoupled" if corrects else "standard")
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r} is not an operating mode; use one of {MODES}." + _closest(str(mode), MODES))
+        if mode == "standard" and corrects:
+            raise ValueError(
+                "mode='standard' applies no correction (pi_old is recomputed and pi_rollout is ignored), but "
+                f"{self._correction_summary()} is set; use mode='decoupled' to correct pi_rollout -> pi_old, "
+                "mode='bypass' to use the rollout log-probs as pi_old, or drop the IS/RS settings.")
+        if mode == "decoupled" and not corrects:
+            raise ValueError(
+                "mode='decoupled' needs something to correct: set IS (is_level / use_tis), RS (rs / use_rs) or "
+                "veto_threshold; without them it is standard PPO (mode='standard').")
+        if self.loss_type == "reinforce" and mode != "bypass":
+            raise ValueError(
+                f"loss_type='reinforce' needs mode='bypass' (got mode={mode!r}): the REINFORCE weight "
+                "pi_theta/pi_rollout needs the rollout log-probs as pi_old (--use-rollout-logprobs / "
+                "bypass_mode: true); for the recomputed pi_old use loss_type='ppo_clip'.")
+        if not isinstance(self.get_mismatch_metrics, bool):
+            raise ValueError(f"get_mismatch_metrics={self.get_mismatch_metrics!r} must be true or false.")
+        object.__setattr__(self, "mode", mode)
+
+    def _correction_summary(self) -> str:
+        parts = [f"is_level={self.is_level!r}"] if self.is_enabled else []
+        parts += [f"rs={','.join(c.option for c in self.rs)!r}"] if self.rs else []
+        parts += [f"veto_threshold={self.veto_threshold!r}"] if self.veto_threshold is not None else []
+        return " and ".join(parts)
 
     # --- derived settings -------------------------------------------------------------------------------------
     @property
@@ -265,6 +318,22 @@ class RolloutCorrectionConfig:
         return self.is_lower_bound if self.is_lower_bound is not None else 1.0 / self.is_upper_bound
 
     @property
+    def corrects(self) -> bool:
+        """Whether any IS weight, rejection criterion or veto is configured."""
+        return self.is_enabled or bool(self.rs) or self.veto_threshold is not None
+
+    @property
+    def is_weights_applied(self) -> bool:
+        """Whether IS weights multiply the loss.  False in bypass + ppo_clip, where the PPO ratio
+        pi_theta/pi_rollout already is the importance weight (the weights are then diagnostics only)."""
+        return self.is_enabled and not (self.mode == "bypass" and self.loss_type == "ppo_clip")
+
+    @property
+    def needs_rollout_log_probs(self) -> bool:
+        """Whether the loss needs the rollout log-probs at all."""
+        return self.corrects or self.mode == "bypass" or self.get_mismatch_metrics
+
+    @property
     def rejects(self) -> bool:
         """Whether anything can remove tokens from the loss."""
         return bool(self.rs) or self.veto_threshold is not None or (
@@ -273,67 +342,38 @@ class RolloutCorrectionConfig:
     # --- construction from dictionaries -----------------------------------------------------------------------
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "RolloutCorrectionConfig":
-        """Build from the slime key set (``use_tis, use_rs, tis_level, rs_level, tis_mode, tis_lower_bound,
-        tis_upper_bound, rs_lower_bound, rs_upper_bound, rs_veto_threshold, tis_batch_normalize``; slime's
-        ``mis_*`` spellings are accepted as aliases) or from this class's own field names.  Unknown keys raise
-        ``ValueError`` naming the key and the closest valid one.
+        """Build from one mapping in any accepted spelling: this class's field names, slime's keys (``use_tis,
+        tis_level, rs_upper_bound, ...``; ``mis_*`` and ``tis_clip``/``tis_clip_low`` aliases), verl's keys
+        (``rollout_is, rollout_is_threshold, rollout_rs, bypass_mode, loss_type, ...``) and the mode keys
+        (``mode``, ``loss_type``, ``use_rollout_logprobs``, ``use_rollout_correction``).  Unknown keys raise
+        ``ValueError`` naming the key and the closest valid one.  See :mod:`slime_rc.settings`.
         """
-        d = dict(d)
-        for alias, key in _ALIASES.items():
-            if alias in d:
-                if key in d and d[key] != d[alias]:
-                    raise ValueError(f"both {alias!r} and {key!r} are set ({d[alias]!r} vs {d[key]!r}); keep one.")
-                d[key] = d.pop(alias)
-        own = {f.name for f in fields(cls)}
-        known = own | set(_SLIME_KEYS)
-        for key in d:
-            if key not in known:
-                raise ValueError(
-                    f"unknown rollout-correction key {key!r}." + _closest(key, sorted(known | set(_ALIASES)))
-                    + f" Valid keys: {', '.join(sorted(known))}.")
-        kwargs = {k: v for k, v in d.items() if k in own}
-        slime = {k: v for k, v in d.items() if k in _SLIME_KEYS}
-        if slime:
-            overlap = {"use_tis": "is_level", "tis_level": "is_level", "use_rs": "rs", "rs_level": "rs"}
-            for k in slime:
-                if overlap.get(k) in kwargs:
-                    raise ValueError(f"{k!r} and {overlap[k]!r} both set; use one spelling.")
-            if slime.get("use_tis"):
-                kwargs["is_level"] = slime.get("tis_level") or "token"
-            elif "use_tis" not in slime and "tis_level" in slime:
-                raise ValueError(
-                    f"tis_level={slime['tis_level']!r} given without use_tis; add use_tis: true to enable IS "
-                    f"weights (or drop tis_level).")
-            for src, dst in (("tis_mode", "is_mode"), ("tis_upper_bound", "is_upper_bound"),
-                             ("tis_lower_bound", "is_lower_bound"), ("tis_batch_normalize", "is_batch_normalize"),
-                             ("rs_veto_threshold", "veto_threshold")):
-                if slime.get(src) is not None:
-                    kwargs[dst] = slime[src]
-            rs_keys = [k for k in ("rs_level", "rs_upper_bound", "rs_lower_bound") if slime.get(k) is not None]
-            if rs_keys and "use_rs" not in slime:
-                raise ValueError(
-                    f"{', '.join(rs_keys)} given without use_rs; add use_rs: true to enable rejection sampling "
-                    f"(or drop them).")
-            if slime.get("use_rs"):
-                kwargs["rs"] = parse_rejection_criteria(
-                    slime.get("rs_level") or "token", slime.get("rs_upper_bound"), slime.get("rs_lower_bound"))
-        if isinstance(kwargs.get("rs"), (list, tuple)):
-            # to_dict() writes criteria as {option, upper, lower} mappings
-            kwargs["rs"] = tuple(RejectionCriterion(**c) if isinstance(c, Mapping) else c for c in kwargs["rs"])
-        elif isinstance(kwargs.get("rs"), str):
-            raise ValueError(f"rs={kwargs['rs']!r}: give rejection options as strings through the slime keys "
-                             f"use_rs / rs_level / rs_upper_bound, or build criteria with parse_rejection_criteria.")
-        return cls(**kwargs)
+        from .settings import Layer, resolve
+        return resolve([Layer.from_mapping(d)]).config
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["rs"] = [dict(option=c.option, upper=c.upper, lower=c.lower) for c in self.rs]
         return d
 
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> "RolloutCorrectionConfig":
+        """The preset ``name`` of :mod:`slime_rc.presets` with keyword overrides for its thresholds; each preset is
+        also a classmethod of its own name (``RolloutCorrectionConfig.decoupled_seq_is(threshold=3.0)``)."""
+        from .settings import preset_layer, resolve
+        return resolve([preset_layer(name, **overrides)]).config
 
-_SLIME_KEYS = ("use_tis", "use_rs", "tis_level", "rs_level", "tis_mode", "tis_lower_bound", "tis_upper_bound",
-               "rs_lower_bound", "rs_upper_bound", "rs_veto_threshold", "tis_batch_normalize")
-# slime's example config (mis.yaml) spells the IS keys mis_*; older slime flags use tis_clip / tis_clip_low.
-_ALIASES = {"mis_level": "tis_level", "mis_mode": "tis_mode", "mis_lower_bound": "tis_lower_bound",
-            "mis_upper_bound": "tis_upper_bound", "mis_veto_threshold": "rs_veto_threshold",
-            "mis_batch_normalize": "tis_batch_normalize"}
+
+def _preset_classmethod(name: str, settings_fn):
+    @functools.wraps(settings_fn)
+    def build(cls, *args, **kwargs):
+        params = list(inspect.signature(settings_fn).parameters)
+        if len(args) > len(params):
+            raise TypeError(f"{name}() takes at most {len(params)} threshold arguments ({', '.join(params)})")
+        return cls.preset(name, **dict(zip(params, args)), **kwargs)
+    build.__doc__ = f"Preset ``{name}``: {settings_fn.__doc__}"
+    return classmethod(build)
+
+
+for _name, _fn in PRESETS.items():
+    setattr(RolloutCorrectionConfig, _name, _preset_classmethod(_name, _fn))

@@ -1,0 +1,305 @@
+"""The one place where flags, YAML files, presets and dictionaries become a :class:`RolloutCorrectionConfig`.
+
+Every source is first translated into the same flat *settings*: slime's key set plus the mode and engine keys
+(:data:`SETTINGS`).  Sources are stacked as :class:`Layer` objects, lowest precedence first —
+default < preset < YAML < flag — and :func:`resolve` merges them key by key, remembers which layer set each
+key, refuses settings that a higher layer made dead (``--tis-level`` while IS is off) and builds the config.
+
+Accepted spellings of one mapping (:meth:`Layer.from_mapping`), in three families that must not be mixed for
+the same setting:
+
+* slime: ``use_tis, use_rs, tis_level, tis_mode, tis_lower_bound, tis_upper_bound, tis_batch_normalize,
+  rs_level, rs_lower_bound, rs_upper_bound, rs_veto_threshold``; ``mis_*`` (slime's mis.yaml) and
+  ``tis_clip`` / ``tis_clip_low`` (slime's older flags) as aliases; the mode keys ``use_rollout_logprobs``,
+  ``use_rollout_correction``, ``get_mismatch_metrics``, ``loss_type`` and the engine keys
+  ``safety_bound, on_nonfinite, rejected_in_denominator, quantile_bins_per_octave``;
+* this project's field names: ``is_level, is_mode, is_upper_bound, is_lower_bound, is_batch_normalize, rs,
+  veto_threshold, mode``;
+* verl: ``rollout_is, rollout_is_threshold, rollout_is_batch_normalize, rollout_rs, rollout_rs_threshold,
+  rollout_rs_threshold_lower, rollout_token_veto_threshold, bypass_mode, use_policy_gradient, loss_type`` and
+  the older framework keys ``rollout_is_level, rollout_is_mode, rollout_is_threshold_lower,
+  rollout_is_veto_threshold`` (with ``rollout_is: true|false``).
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+
+from .config import RejectionCriterion, RolloutCorrectionConfig, parse_rejection_criteria
+from .presets import PRESETS
+
+# The flat settings every source is translated to.
+IS_KEYS = ("tis_level", "tis_mode", "tis_upper_bound", "tis_lower_bound", "tis_batch_normalize")
+RS_KEYS = ("rs_level", "rs_upper_bound", "rs_lower_bound")
+ENGINE_KEYS = ("safety_bound", "on_nonfinite", "rejected_in_denominator", "quantile_bins_per_octave")
+MODE_KEYS = ("use_rollout_logprobs", "use_rollout_correction", "loss_type", "get_mismatch_metrics")
+SETTINGS = ("use_tis",) + IS_KEYS + ("use_rs",) + RS_KEYS + ("rs_veto_threshold",) + MODE_KEYS + ENGINE_KEYS
+
+# Precedence of the layer kinds, lowest first.
+KINDS = ("default", "preset", "yaml", "flag", "dict")
+
+
+def _closest(name: str, choices) -> str:
+    match = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
+    return f" Did you mean {match[0]!r}?" if match else ""
+
+
+# ---- spellings -> settings ----------------------------------------------------------------------------------
+def _is_threshold(value):
+    """verl's ``rollout_is_threshold``: a number caps the weight; ``"lo_hi"`` is IcePop (mask mode)."""
+    if isinstance(value, str) and "_" in value:
+        lo, _, hi = value.partition("_")
+        try:
+            return {"tis_mode": "mask", "tis_lower_bound": float(lo), "tis_upper_bound": float(hi)}
+        except ValueError:
+            raise ValueError(f"rollout_is_threshold={value!r} is not a number or 'lower_upper' (e.g. '0.5_5.0')") \
+                from None
+    return {} if value is None else {"tis_upper_bound": value}
+
+
+def _rollout_is(value):
+    """verl: a level or null; the older framework: true (apply weights) / false (metrics only)."""
+    if isinstance(value, bool):
+        return {"use_tis": True} if value else {"use_tis": False, "get_mismatch_metrics": True}
+    return {"use_tis": False} if value is None else {"use_tis": True, "tis_level": value}
+
+
+def _rs_criteria(value):
+    """This project's ``rs`` field (criteria or their ``to_dict`` mappings) as slime RS settings."""
+    if isinstance(value, str):
+        raise ValueError(f"rs={value!r}: give rejection options as strings through the slime keys use_rs / "
+                         f"rs_level / rs_upper_bound, or build criteria with parse_rejection_criteria.")
+    crits = [RejectionCriterion(**c) if isinstance(c, Mapping) else c for c in (value or ())]
+    if not crits:
+        return {"use_rs": False}
+    for c in crits:
+        if not isinstance(c, RejectionCriterion):
+            raise ValueError(f"rs entries must be RejectionCriterion or {{option, upper, lower}} mappings, got {c!r}")
+    thresholds = [f"{c.lower!r}_{c.upper!r}" if c.statistic == "k1" else repr(c.upper) for c in crits]
+    return {"use_rs": True, "rs_level": ",".join(c.option for c in crits), "rs_upper_bound": ",".join(thresholds)}
+
+
+def _mode(value):
+    if value == "bypass":
+        return {"use_rollout_logprobs": True}
+    if value in ("standard", "decoupled"):
+        return {"use_rollout_logprobs": False, "use_rollout_correction": value == "decoupled"}
+    if value is None:
+        return {}
+    raise ValueError(f"mode={value!r} is not an operating mode; use one of standard, decoupled, bypass."
+                     + _closest(str(value), ("standard", "decoupled", "bypass")))
+
+
+def _rename(key: str) -> Callable[[Any], dict]:
+    return lambda value: {key: value}
+
+
+# input key -> (family, translator).  Families must not be mixed for one setting.
+SPELLINGS: Dict[str, Tuple[str, Callable[[Any], dict]]] = {
+    **{k: ("slime", _rename(k)) for k in SETTINGS},
+    **{f"mis_{k}": ("slime", _rename(f"tis_{k}")) for k in ("level", "mode", "lower_bound", "upper_bound",
+                                                             "batch_normalize")},
+    "mis_veto_threshold": ("slime", _rename("rs_veto_threshold")),
+    "tis_clip": ("slime", _rename("tis_upper_bound")),
+    "tis_clip_low": ("slime", _rename("tis_lower_bound")),
+    "is_level": ("own", lambda v: {"use_tis": v is not None, **({"tis_level": v} if v is not None else {})}),
+    "is_mode": ("own", _rename("tis_mode")),
+    "is_upper_bound": ("own", _rename("tis_upper_bound")),
+    "is_lower_bound": ("own", _rename("tis_lower_bound")),
+    "is_batch_normalize": ("own", _rename("tis_batch_normalize")),
+    "rs": ("own", _rs_criteria),
+    "veto_threshold": ("own", _rename("rs_veto_threshold")),
+    "mode": ("own", _mode),
+    "rollout_is": ("verl", _rollout_is),
+    "rollout_is_threshold": ("verl", _is_threshold),
+    "rollout_is_batch_normalize": ("verl", _rename("tis_batch_normalize")),
+    "rollout_rs": ("verl", lambda v: {"use_rs": v is not None, **({"rs_level": v} if v is not None else {})}),
+    "rollout_rs_threshold": ("verl", _rename("rs_upper_bound")),
+    "rollout_rs_threshold_lower": ("verl", _rename("rs_lower_bound")),
+    "rollout_token_veto_threshold": ("verl", _rename("rs_veto_threshold")),
+    "bypass_mode": ("verl", _rename("use_rollout_logprobs")),
+    "use_policy_gradient": ("verl", lambda v: {"loss_type": "reinforce" if v else "ppo_clip"}),
+    "rollout_is_level": ("verl", _rename("tis_level")),
+    "rollout_is_mode": ("verl", _rename("tis_mode")),
+    "rollout_is_threshold_lower": ("verl", _rename("tis_lower_bound")),
+    "rollout_is_veto_threshold": ("verl", _rename("rs_veto_threshold")),
+}
+# Spellings that are the same word in two families (loss_type is slime's and verl's).
+_SHARED = {"loss_type"}
+
+
+@dataclass
+class Layer:
+    """One source of settings: ``values`` (setting -> value) and, per setting, the user-facing name it was given
+    under (``--tis-upper-bound``, ``rollout_is_threshold``, ...) for messages and ``slime-rc config``."""
+
+    kind: str
+    where: str = ""
+    values: Dict[str, Any] = field(default_factory=dict)
+    names: Dict[str, str] = field(default_factory=dict)
+
+    @property
+    def rank(self) -> int:
+        return KINDS.index(self.kind)
+
+    def label(self, key: str) -> str:
+        name = self.names.get(key, key)
+        if self.kind == "flag":
+            return name
+        if self.kind == "yaml":
+            return f"{name} in {self.where}"
+        if self.kind == "preset":
+            return f"preset {self.where}"
+        return name
+
+    @classmethod
+    def from_mapping(cls, d: Mapping[str, Any], kind: str = "dict", where: str = "",
+                     name: Callable[[str], str] = lambda k: k) -> "Layer":
+        """Translate one mapping in any accepted spelling.  ``name`` turns an input key into what the user
+        wrote (a flag spelling for flags).  Raises ``ValueError`` on unknown keys and on two spellings of one
+        setting that disagree or come from different families."""
+        layer = cls(kind, where)
+        family_of: Dict[str, Tuple[str, str]] = {}
+        for key, value in d.items():
+            if key not in SPELLINGS:
+                raise ValueError(
+                    f"unknown rollout-correction key {name(key)!r}{' in ' + where if where else ''}."
+                    + _closest(key, SPELLINGS) + f" Valid keys: {', '.join(sorted(SPELLINGS))}.")
+            family, translate = SPELLINGS[key]
+            for setting, v in translate(value).items():
+                if setting in layer.values:
+                    other, other_family = family_of[setting]
+                    if layer.values[setting] != v:
+                        raise ValueError(f"both {name(other)!r} and {name(key)!r} are set "
+                                         f"({d[other]!r} vs {value!r}); keep one.")
+                    if family != other_family and not {key, other} & _SHARED:
+                        raise ValueError(f"{name(other)!r} and {name(key)!r} both set the same thing in two "
+                                         f"spellings; use one spelling.")
+                layer.values[setting] = v
+                layer.names[setting] = name(key)
+                family_of[setting] = (key, family)
+        return layer
+
+
+def preset_layer(name: str, **overrides: Any) -> Layer:
+    """The settings of preset ``name`` (keyword overrides for its thresholds) as a layer."""
+    if name not in PRESETS:
+        raise ValueError(f"rollout-correction preset {name!r} does not exist." + _closest(name, PRESETS)
+                         + f" Presets: {', '.join(PRESETS)}.")
+    try:
+        values = PRESETS[name](**overrides)
+    except TypeError as e:
+        raise ValueError(f"preset {name!r}: {e}") from None
+    return Layer.from_mapping(values, kind="preset", where=name)
+
+
+@dataclass
+class Resolution:
+    """What :func:`resolve` returns: the config, who set each config field, and notes a user should see."""
+
+    config: RolloutCorrectionConfig
+    sources: Dict[str, str]
+    notes: List[str]
+
+
+# config field <- the settings it is built from
+FIELD_SETTINGS = {
+    "is_level": ("use_tis", "tis_level"), "is_mode": ("tis_mode",), "is_upper_bound": ("tis_upper_bound",),
+    "is_lower_bound": ("tis_lower_bound",), "is_batch_normalize": ("tis_batch_normalize",),
+    "rs": ("use_rs",) + RS_KEYS, "veto_threshold": ("rs_veto_threshold",),
+    "mode": ("use_rollout_logprobs", "use_rollout_correction"), "loss_type": ("loss_type",),
+    "get_mismatch_metrics": ("get_mismatch_metrics",),
+    **{k: (k,) for k in ENGINE_KEYS},
+}
+
+
+def resolve(layers: List[Layer]) -> Resolution:
+    """Merge ``layers`` (lowest precedence first) and build the validated config."""
+    merged: Dict[str, Any] = {}
+    owner: Dict[str, Layer] = {}
+    for layer in sorted(layers, key=lambda l: l.rank):
+        for key, value in layer.values.items():
+            merged[key], owner[key] = value, layer
+
+    def label(key):
+        return owner[key].label(key)
+
+    def rank(key):
+        return owner[key].rank if key in owner else 0
+
+    # A setting is dead when its switch is off and it was set above the layer that turned the switch off.
+    for switch, keys, what in (("use_tis", IS_KEYS, "IS weights"), ("use_rs", RS_KEYS, "rejection sampling")):
+        if merged.get(switch):
+            continue
+        for key in keys:
+            if key in merged and rank(key) > rank(switch):
+                how = (f"it is off ({switch}={merged[switch]!r} from {label(switch)})" if switch in owner
+                       else "nothing enables it")
+                raise ValueError(
+                    f"{label(key)}={merged[key]!r} given without {switch}: {what} have no effect because {how}. "
+                    f"Add {_switch_name(owner[key], switch)} to enable {what}, or drop it.")
+
+    kwargs: Dict[str, Any] = {}
+    if merged.get("use_tis"):
+        kwargs["is_level"] = merged.get("tis_level") or "token"
+    for key, dst in (("tis_mode", "is_mode"), ("tis_upper_bound", "is_upper_bound"),
+                     ("tis_batch_normalize", "is_batch_normalize"), ("rs_veto_threshold", "veto_threshold"),
+                     ("loss_type", "loss_type"), ("get_mismatch_metrics", "get_mismatch_metrics"),
+                     *((k, k) for k in ENGINE_KEYS)):
+        if merged.get(key) is not None:
+            kwargs[dst] = merged[key]
+    lower = merged.get("tis_lower_bound")
+    if lower is not None and lower == 0:
+        # slime's --tis-clip-low 0 means "no lower clip": exactly truncate mode
+        if (merged.get("tis_mode") or "truncate") != "truncate":
+            raise ValueError(f"{label('tis_lower_bound')}=0 means no lower bound, which only is_mode='truncate' "
+                             f"has; give a positive lower bound for mode {merged['tis_mode']!r}, or leave it unset "
+                             f"(1/upper).")
+    elif lower is not None:
+        kwargs["is_lower_bound"] = lower
+    if merged.get("use_rs"):
+        kwargs["rs"] = parse_rejection_criteria(merged.get("rs_level") or "token", merged.get("rs_upper_bound"),
+                                                merged.get("rs_lower_bound"))
+    if merged.get("use_rollout_logprobs"):
+        kwargs["mode"] = "bypass"
+    elif merged.get("use_rollout_correction") is False:
+        kwargs["mode"] = "standard"
+    elif merged.get("use_rollout_correction"):
+        kwargs["mode"] = "decoupled"
+    try:
+        config = RolloutCorrectionConfig(**kwargs)
+    except ValueError as e:
+        raise ValueError(_where(str(e), owner)) from None
+
+    sources = {}
+    for f in fields(RolloutCorrectionConfig):
+        keys = [k for k in FIELD_SETTINGS.get(f.name, ()) if k in owner]
+        top = max(keys, key=rank) if keys else None
+        sources[f.name] = label(top) if top else ("derived" if f.name == "mode" else "default")
+    notes = []
+    if config.is_enabled and not config.is_weights_applied:
+        notes.append(
+            f"IS weights are diagnostics only: in bypass mode with loss_type='ppo_clip' the PPO ratio "
+            f"pi_theta/pi_rollout already is the importance weight, so the {config.is_level}-level weights are "
+            f"reported in the metrics but not multiplied into the loss"
+            + (" (mask-mode rejection still applies)" if config.is_mode == "mask" else "")
+            + ". For explicit IS weights use loss_type='reinforce' (--rollout-correction-loss-type reinforce).")
+    return Resolution(config, sources, notes)
+
+
+def _switch_name(layer: Layer, switch: str) -> str:
+    if layer.kind == "flag":
+        return "--" + switch.replace("_", "-")
+    return f"{switch}: true"
+
+
+def _where(message: str, owner: Dict[str, Layer]) -> str:
+    """Append which user-facing setting produced each config field a validation message names."""
+    hits = []
+    for fname, keys in FIELD_SETTINGS.items():
+        if f"{fname}=" in message:
+            hits += [owner[k].label(k) for k in keys if k in owner and owner[k].kind != "default"]
+    hits = list(dict.fromkeys(hits))
+    return message + (f" (set by {', '.join(hits)})" if hits else "")
