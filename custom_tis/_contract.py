@@ -54,7 +54,12 @@ def config_from_args(args: Any, keys: Sequence[str] = SLIME_ARG_KEYS, **override
     """Config from the slime keys present on ``args`` and not None (other attributes are ignored).
 
     ``overrides`` (slime key spelling) replace what ``args`` holds; an override of None removes the key.
+    When ``args`` went through :func:`slime_rc.arguments.config_from_args` (flags + YAML + preset, resolved once
+    at launch) and there are no overrides, that resolved config is used as it is.
     """
+    resolved = get_arg(args, "rollout_correction_config")
+    if resolved is not None and not overrides:
+        return resolved
     d = {k: get_arg(args, k) for k in keys}
     d.update(overrides)
     return RolloutCorrectionConfig.from_dict({k: v for k, v in d.items() if v is not None})

@@ -139,6 +139,7 @@ class Layer:
     where: str = ""
     values: Dict[str, Any] = field(default_factory=dict)
     names: Dict[str, str] = field(default_factory=dict)
+    raw: Dict[str, Any] = field(default_factory=dict)  # setting -> the value as the user wrote it
 
     @property
     def rank(self) -> int:
@@ -153,6 +154,12 @@ class Layer:
         if self.kind == "preset":
             return f"preset {self.where}"
         return name
+
+    def given(self, key: str) -> str:
+        """``--tis-level='token'`` / ``rollout_is='token' in f.yaml``: what the user wrote, for messages."""
+        name = self.names.get(key, key)
+        text = f"{name}={self.raw.get(key, self.values.get(key))!r}"
+        return {"yaml": f"{text} in {self.where}", "preset": f"{text} of preset {self.where}"}.get(self.kind, text)
 
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any], kind: str = "dict", where: str = "",
@@ -179,6 +186,7 @@ class Layer:
                                          f"spellings; use one spelling.")
                 layer.values[setting] = v
                 layer.names[setting] = name(key)
+                layer.raw[setting] = value
                 family_of[setting] = (key, family)
         return layer
 
@@ -235,10 +243,9 @@ def resolve(layers: List[Layer]) -> Resolution:
             continue
         for key in keys:
             if key in merged and rank(key) > rank(switch):
-                how = (f"it is off ({switch}={merged[switch]!r} from {label(switch)})" if switch in owner
-                       else "nothing enables it")
+                how = f"it is off ({owner[switch].given(switch)})" if switch in owner else "nothing enables it"
                 raise ValueError(
-                    f"{label(key)}={merged[key]!r} given without {switch}: {what} have no effect because {how}. "
+                    f"{owner[key].given(key)} given without {switch}: {what} have no effect because {how}. "
                     f"Add {_switch_name(owner[key], switch)} to enable {what}, or drop it.")
 
     kwargs: Dict[str, Any] = {}
@@ -254,7 +261,7 @@ def resolve(layers: List[Layer]) -> Resolution:
     if lower is not None and lower == 0:
         # slime's --tis-clip-low 0 means "no lower clip": exactly truncate mode
         if (merged.get("tis_mode") or "truncate") != "truncate":
-            raise ValueError(f"{label('tis_lower_bound')}=0 means no lower bound, which only is_mode='truncate' "
+            raise ValueError(f"{owner['tis_lower_bound'].given('tis_lower_bound')} means no lower bound, which only is_mode='truncate' "
                              f"has; give a positive lower bound for mode {merged['tis_mode']!r}, or leave it unset "
                              f"(1/upper).")
     elif lower is not None:
@@ -264,14 +271,18 @@ def resolve(layers: List[Layer]) -> Resolution:
                                                 merged.get("rs_lower_bound"))
     if merged.get("use_rollout_logprobs"):
         kwargs["mode"] = "bypass"
-    elif merged.get("use_rollout_correction") is False:
-        kwargs["mode"] = "standard"
-    elif merged.get("use_rollout_correction"):
-        kwargs["mode"] = "decoupled"
     try:
-        config = RolloutCorrectionConfig(**kwargs)
+        config = RolloutCorrectionConfig(**kwargs)  # an unset mode is derived: decoupled iff something corrects
     except ValueError as e:
         raise ValueError(_where(str(e), owner)) from None
+    wanted = merged.get("use_rollout_correction")
+    if wanted is not None and bool(wanted) != config.corrects:
+        raise ValueError(
+            f"{owner['use_rollout_correction'].given('use_rollout_correction')} but "
+            + (f"{config._correction_summary()} is configured" if config.corrects else "nothing is configured to "
+               "correct")
+            + ": " + ("add IS (use_tis) and/or RS (use_rs), or a preset, or drop it." if wanted else
+                      "turn IS/RS/veto off (use_tis / use_rs false, no veto), or drop it."))
 
     sources = {}
     for f in fields(RolloutCorrectionConfig):

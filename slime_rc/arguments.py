@@ -1,0 +1,163 @@
+"""Command-line flags: ``add_rollout_correction_arguments(parser)`` and ``config_from_args(args)``.
+
+The flag set is slime's (``--use-tis``, ``--tis-*``, ``--rs-*``, ``--use-rollout-logprobs``, ...) plus the settings
+the engine needs.  It adds to any argparse parser, Megatron's included (use it as ``extra_args_provider``: it
+returns the parser).  Every flag defaults to None, so ``config_from_args`` can tell what was given on the command
+line and apply the precedence **flag > YAML (--custom-config-path) > preset (--rollout-correction-preset) >
+default** through :func:`slime_rc.settings.resolve`.  ``--custom-tis-function-path`` and
+``--custom-config-path`` are checked while parsing (a bad path fails the launch, not the first step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import warnings
+from typing import Any, Dict, List, Optional, Tuple
+
+from .config import IS_LEVELS, IS_MODES, LOSS_TYPES, NONFINITE_POLICIES, RS_OPTIONS, RolloutCorrectionConfig
+from .plugins import TIS_CONTRACT, load_function
+from .presets import PRESETS
+from .settings import Layer, Resolution, preset_layer, resolve
+from .yaml_config import load_yaml_layer
+
+
+def _rs_level(value: str) -> str:
+    for name in (s.strip() for s in value.split(",")):
+        if name not in RS_OPTIONS:
+            import difflib
+            match = difflib.get_close_matches(name, list(RS_OPTIONS), n=1, cutoff=0.5)
+            raise argparse.ArgumentTypeError(
+                f"{name!r} is not a rejection option; choose token, sequence, geometric or a comma list of "
+                f"{', '.join(o for o in RS_OPTIONS if o not in IS_LEVELS)}"
+                + (f". Did you mean {match[0]!r}?" if match else ""))
+    return value
+
+
+def _existing_file(value: str) -> str:
+    path = os.path.abspath(value)
+    if not os.path.isfile(path):
+        raise argparse.ArgumentTypeError(f"no such file: {path}")
+    return value
+
+
+def _tis_function(value: str) -> str:
+    try:
+        load_function(value, contract=TIS_CONTRACT)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
+def _threshold(value: str) -> str:
+    """A number, ``"lower_upper"``, or a comma list of those (one per --rs-level option)."""
+    for part in value.split(","):
+        for number in part.strip().split("_"):
+            try:
+                float(number)
+            except ValueError:
+                raise argparse.ArgumentTypeError(
+                    f"{value!r} is not a threshold: give a number (2.0), 'lower_upper' (0.999_1.001) or a comma "
+                    f"list with one per --rs-level option") from None
+    return value
+
+
+_BOOL = dict(action=argparse.BooleanOptionalAction, default=None)
+
+# flag -> (settings key it sets, argparse keywords, help).  Settings keys are those of slime_rc.settings.
+FLAGS: Dict[str, Tuple[str, Dict[str, Any], str]] = {
+    "--use-rollout-logprobs": ("use_rollout_logprobs", _BOOL,
+                               "bypass mode: use the rollout log-probs as pi_old (skips the recompute pass)"),
+    "--use-rollout-correction": ("use_rollout_correction", _BOOL,
+                                 "apply the IS/RS settings to the loss (implied by --use-tis / --use-rs)"),
+    "--get-mismatch-metrics": ("get_mismatch_metrics", _BOOL,
+                               "compute the mismatch metrics even when nothing is corrected"),
+    "--use-tis": ("use_tis", _BOOL, "enable importance-sampling weights"),
+    "--tis-mode": ("tis_mode", dict(choices=IS_MODES), "truncate (cap above), clip (clamp both), mask (reject outside)"),
+    "--tis-lower-bound": ("tis_lower_bound", dict(type=float), "lower IS bound (default 1/upper)"),
+    "--tis-upper-bound": ("tis_upper_bound", dict(type=float), "upper IS bound (default 2.0)"),
+    "--tis-level": ("tis_level", dict(choices=IS_LEVELS), "token, sequence or geometric (default token)"),
+    "--tis-batch-normalize": ("tis_batch_normalize", _BOOL, "normalize IS weights to mean 1 over the global batch"),
+    "--tis-clip": ("tis_clip", dict(type=float), "slime's older spelling of --tis-upper-bound"),
+    "--tis-clip-low": ("tis_clip_low", dict(type=float),
+                       "slime's older spelling of --tis-lower-bound (0 = no lower bound, truncate mode)"),
+    "--use-rs": ("use_rs", _BOOL, "enable rejection sampling"),
+    "--rs-lower-bound": ("rs_lower_bound", dict(type=float),
+                         "lower ratio bound of the k1 RS options (default 1/upper)"),
+    "--rs-upper-bound": ("rs_upper_bound", dict(type=_threshold),
+                         "RS threshold: a number, 'lower_upper', or a comma list, one per --rs-level option"),
+    "--rs-level": ("rs_level", dict(type=_rs_level),
+                   "token, sequence, geometric, or a comma list of token_k1..seq_max_k3 options (ANDed)"),
+    "--rs-veto-threshold": ("rs_veto_threshold", dict(type=float),
+                            "reject a sequence holding a token with ratio below this (e.g. 1e-4)"),
+    "--rollout-correction-loss-type": ("loss_type", dict(choices=LOSS_TYPES),
+                                       "ppo_clip (default) or reinforce (bypass only: REINFORCE with IS weights)"),
+    "--rollout-correction-rejected-in-denominator": (
+        "rejected_in_denominator", _BOOL, "keep rejected tokens in the loss denominator (default: no)"),
+    "--rollout-correction-safety-bound": ("safety_bound", dict(type=float),
+                                          "clamp log-ratios to +-this before exp (default 20)"),
+    "--rollout-correction-on-nonfinite": ("on_nonfinite", dict(choices=NONFINITE_POLICIES),
+                                          "NaN/inf log-probs: error (default) or reject the sequence"),
+    "--rollout-correction-quantile-bins": ("quantile_bins_per_octave", dict(type=int),
+                                           "resolution of the IS quantile metrics (default 128 per octave)"),
+}
+# Flags that are not settings of the config.
+OTHER_FLAGS: Dict[str, Tuple[Dict[str, Any], str]] = {
+    "--rollout-correction-preset": (dict(choices=list(PRESETS), metavar="NAME"),
+                                    "start from a preset (see docs/usage.md); flags and YAML override it"),
+    "--custom-config-path": (dict(type=_existing_file, metavar="YAML"),
+                             "YAML with the slime keys or a verl algorithm.rollout_correction block"),
+    "--custom-tis-function-path": (dict(type=_tis_function, metavar="SPEC"),
+                                   "TIS function: pkg.mod.fn, pkg.mod:fn, file.py:fn, or mis / tis / icepop"),
+}
+
+
+def _dest(flag: str) -> str:
+    return flag[2:].replace("-", "_")
+
+
+def add_rollout_correction_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the rollout-correction flags (in their own group) to ``parser`` and return it."""
+    group = parser.add_argument_group("rollout correction (slime-rc)")
+    for flag, (_, kwargs, help_) in FLAGS.items():
+        kwargs = dict(kwargs)
+        kwargs.setdefault("default", None)
+        group.add_argument(flag, dest=_dest(flag), help=help_, **kwargs)
+    for flag, (kwargs, help_) in OTHER_FLAGS.items():
+        group.add_argument(flag, dest=_dest(flag), default=None, help=help_, **kwargs)
+    return parser
+
+
+def resolve_args(args: argparse.Namespace) -> Resolution:
+    """The config ``args`` describe, who set each field, and notes (see :func:`slime_rc.settings.resolve`)."""
+    layers: List[Layer] = []
+    preset = getattr(args, "rollout_correction_preset", None)
+    if preset:
+        layers.append(preset_layer(preset))
+    path = getattr(args, "custom_config_path", None)
+    if path:
+        layers.append(load_yaml_layer(path))
+    given = {key: getattr(args, _dest(flag)) for flag, (key, _, _) in FLAGS.items()
+             if getattr(args, _dest(flag), None) is not None}
+    flag_of = {key: flag for flag, (key, _, _) in FLAGS.items()}
+    layers.append(Layer.from_mapping(given, kind="flag", name=lambda k: flag_of.get(k, k)))
+    return resolve(layers)
+
+
+def config_from_args(args: argparse.Namespace) -> RolloutCorrectionConfig:
+    """The validated config (operating mode included: ``config.mode``, ``config.loss_type``) for parsed ``args``.
+
+    Also stores it as ``args.rollout_correction_config`` (the slime adapters in ``custom_tis`` read it from
+    there) and emits each note of the resolution (e.g. IS weights that are diagnostics only) as a warning.
+    """
+    resolution = resolve_args(args)
+    for note in resolution.notes:
+        warnings.warn(note, stacklevel=2)
+    args.rollout_correction_config = resolution.config
+    return resolution.config
+
+
+def tis_function_from_args(args: argparse.Namespace) -> Optional[Any]:
+    """The function named by ``--custom-tis-function-path`` (None when unset: the built-in engine is used)."""
+    spec = getattr(args, "custom_tis_function_path", None)
+    return load_function(spec, contract=TIS_CONTRACT) if spec else None
