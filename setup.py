@@ -7,6 +7,7 @@ setup(
                 "Megatron + SGLang",
     packages=find_packages(include=["slime_rc", "slime_rc.*", "custom_tis", "custom_tis.*"]),
     python_requires=">=3.10",
+    entry_points={"console_scripts": ["slime-rc=slime_rc.cli:main"]},
     install_requires=["torch==2.13.0", "megatron-core==0.16.1", "pyyaml"],
     extras_require={
         "test": ["pytest", "hypothesis"],

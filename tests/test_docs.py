@@ -38,3 +38,53 @@ def test_engine_returns_only_documented_metric_names():
     out = compute_rollout_correction(lp, lp + 0.01, torch.ones(12), torch.tensor([0, 5, 12]), cfg)
     generic = {re.sub(r"^rollout_rs_(token|seq_max_k3)_", "rollout_rs_<option>_", k) for k in out.metrics}
     assert generic <= set(METRICS), generic - set(METRICS)
+
+
+# ---- usage.md: flags and presets ---------------------------------------------------------------------------------
+def _preset_row(name):
+    """The usage.md row of a preset, derived from the config the preset builds (so a stale row fails)."""
+    c = RolloutCorrectionConfig.preset(name)
+    if not c.is_enabled:
+        is_text = "—"
+    elif c.is_mode == "truncate":
+        is_text = f"{c.is_level}, truncate ≤ {c.is_upper_bound:g}"
+    else:
+        is_text = f"{c.is_level}, {c.is_mode} [{c.is_lower:g}, {c.is_upper_bound:g}]"
+    if c.is_enabled and not c.is_weights_applied:
+        is_text += " (diagnostics only)"
+    rs_text = "; ".join(f"{r.option} in [{r.lower:g}, {r.upper:g}]" if r.statistic == "k1" else
+                        f"{r.option} ≤ {r.upper:g}" for r in c.rs) or "—"
+    veto = "—" if c.veto_threshold is None else f"{c.veto_threshold:g}"
+    extra = ", ".join([x for x, on in (("rejected tokens stay in the denominator", c.rejected_in_denominator),
+                                       ("metrics only", c.get_mismatch_metrics)) if on]) or "—"
+    return f"| `{name}` | {c.mode} | {c.loss_type} | {is_text} | {rs_text} | {veto} | {extra} |"
+
+
+def test_every_preset_row_matches_the_code():
+    from slime_rc import PRESETS
+    text = _read("usage.md")
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `([a-z0-9_]+)` \| (?:standard|decoupled|bypass) .*\|$",
+                                                          text, flags=re.M)}
+    assert set(rows) == set(PRESETS), set(rows) ^ set(PRESETS)
+    for name in PRESETS:
+        assert rows[name] == _preset_row(name)
+
+
+def test_every_flag_is_documented_and_no_stale_flags():
+    from slime_rc.arguments import FLAGS, OTHER_FLAGS
+    text = _read("usage.md")
+    documented = set(re.findall(r"^\| `(--[a-z-]+)`", text, flags=re.M))
+    assert documented == set(FLAGS) | set(OTHER_FLAGS), documented ^ (set(FLAGS) | set(OTHER_FLAGS))
+
+
+def test_every_yaml_key_is_documented():
+    from slime_rc.settings import SPELLINGS
+    text = _read("usage.md") + _read("configuration.md")
+    missing = [k for k in SPELLINGS if f"`{k}`" not in text]
+    assert not missing, missing
+
+
+def test_readme_names_no_missing_doc():
+    readme = open(os.path.join(os.path.dirname(DOCS), "README.md")).read()
+    for link in re.findall(r"\]\((docs/[a-z_]+\.md)\)", readme):
+        assert os.path.exists(os.path.join(os.path.dirname(DOCS), link)), link
