@@ -10,13 +10,9 @@ The config is validated once, when it is built; the engine trusts it afterwards.
 from __future__ import annotations
 
 import difflib
-import functools
 import math
 from dataclasses import asdict, dataclass, fields
-import inspect
 from typing import Any, Mapping, Optional, Sequence, Union
-
-from .presets import PRESETS
 
 IS_LEVELS = ("token", "sequence", "geometric")
 IS_MODES = ("truncate", "clip", "mask")
@@ -122,16 +118,16 @@ class RejectionCriterion:
         return -math.inf, self.upper
 
 
-def _split_threshold(option: str, threshold: Threshold) -> tuple[float, Optional[float]]:
-    """``2.0`` -> (upper=2.0, lower=None); ``"0.5_2.0"`` -> (upper=2.0, lower=0.5)."""
+def split_threshold(what: str, threshold: Threshold) -> tuple[Threshold, Optional[float]]:
+    """``2.0`` -> (upper=2.0, lower=None); ``"0.5_2.0"`` -> (upper=2.0, lower=0.5).  ``what`` names the setting
+    in the error message."""
     if isinstance(threshold, str) and "_" in threshold:
         lo, _, hi = threshold.partition("_")
         try:
             return float(hi), float(lo)
         except ValueError:
-            raise ValueError(
-                f"rs threshold {threshold!r} for {option!r} is not 'lower_upper' (e.g. '0.5_2.0')") from None
-    return threshold, None  # type: ignore[return-value]
+            raise ValueError(f"{what}={threshold!r} is not a number or 'lower_upper' (e.g. '0.5_2.0')") from None
+    return threshold, None
 
 
 def parse_rejection_criteria(
@@ -171,7 +167,7 @@ def parse_rejection_criteria(
             raise ValueError(
                 f"rs_level={name!r} is not a rejection option; choose from {', '.join(RS_OPTIONS)}."
                 + _closest(name, RS_OPTIONS))
-        hi, lo = _split_threshold(name, thr)
+        hi, lo = split_threshold(f"rs threshold for {name!r}", thr)
         if RS_OPTIONS[name][2] == "k1" and lo is None:
             lo = lower
         out.append(RejectionCriterion(name, hi, lo))
@@ -363,17 +359,3 @@ class RolloutCorrectionConfig:
         from .settings import preset_layer, resolve
         return resolve([preset_layer(name, **overrides)]).config
 
-
-def _preset_classmethod(name: str, settings_fn):
-    @functools.wraps(settings_fn)
-    def build(cls, *args, **kwargs):
-        params = list(inspect.signature(settings_fn).parameters)
-        if len(args) > len(params):
-            raise TypeError(f"{name}() takes at most {len(params)} threshold arguments ({', '.join(params)})")
-        return cls.preset(name, **dict(zip(params, args)), **kwargs)
-    build.__doc__ = f"Preset ``{name}``: {settings_fn.__doc__}"
-    return classmethod(build)
-
-
-for _name, _fn in PRESETS.items():
-    setattr(RolloutCorrectionConfig, _name, _preset_classmethod(_name, _fn))

@@ -100,6 +100,9 @@ def _get_attr(spec: str, obj: Any, attr_path: str, where: str):
     for part in attr_path.split("."):
         if not hasattr(obj, part):
             public = sorted(n for n in dir(obj) if not n.startswith("_") and callable(getattr(obj, n, None)))
+            # list what the module defines, not what it merely imports
+            own = [n for n in public if getattr(getattr(obj, n), "__module__", None) == getattr(obj, "__name__", 0)]
+            public = own or public
             close = difflib.get_close_matches(part, public, n=1)
             owner = f"{where}:{'.'.join(done)}" if done else where
             raise PluginError(f"{spec}: {owner} has no attribute {part!r}"

@@ -12,7 +12,11 @@ geometric mean ratio, with ``geometric`` as its older spelling), ``*_k3_rs`` is 
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Callable, Dict, Union
+
+from .config import RolloutCorrectionConfig, split_threshold
 
 Threshold = Union[float, str]
 
@@ -23,18 +27,16 @@ BYPASS_PG = {"use_rollout_logprobs": True, "loss_type": "reinforce"}
 
 def _is(level: str, threshold: Threshold) -> dict:
     """IS weights at ``level``: a number truncates at it; ``"lo_hi"`` masks outside [lo, hi] (IcePop)."""
-    if isinstance(threshold, str) and "_" in threshold:
-        lo, _, hi = threshold.partition("_")
-        return {"use_tis": True, "tis_level": level, "tis_mode": "mask", "tis_lower_bound": float(lo),
-                "tis_upper_bound": float(hi)}
-    return {"use_tis": True, "tis_level": level, "tis_mode": "truncate", "tis_upper_bound": float(threshold)}
+    upper, lower = split_threshold("threshold", threshold)
+    if lower is None:
+        return {"use_tis": True, "tis_level": level, "tis_mode": "truncate", "tis_upper_bound": upper}
+    return {"use_tis": True, "tis_level": level, "tis_mode": "mask", "tis_lower_bound": lower, "tis_upper_bound": upper}
 
 
 def _rs(option: str, threshold: Threshold) -> dict:
-    if isinstance(threshold, str) and "_" in threshold:
-        lo, _, hi = threshold.partition("_")
-        return {"use_rs": True, "rs_level": option, "rs_lower_bound": float(lo), "rs_upper_bound": float(hi)}
-    return {"use_rs": True, "rs_level": option, "rs_upper_bound": float(threshold)}
+    upper, lower = split_threshold("rs_threshold", threshold)
+    return {"use_rs": True, "rs_level": option, "rs_upper_bound": upper,
+            **({} if lower is None else {"rs_lower_bound": lower})}
 
 
 NO_IS = {"use_tis": False}
@@ -177,3 +179,19 @@ PRESETS: Dict[str, Callable[..., dict]] = {f.__name__: f for f in (
     decoupled_k3_rs, decoupled_k3_rs_seq_tis, decoupled_k3_rs_token_tis, decoupled_token_icepop,
     bypass_pg_token_icepop,
 )}
+
+
+def _preset_classmethod(name: str, settings_fn: Callable[..., dict]):
+    @functools.wraps(settings_fn)
+    def build(cls, *args, **kwargs):
+        params = list(inspect.signature(settings_fn).parameters)
+        if len(args) > len(params):
+            raise TypeError(f"{name}() takes at most {len(params)} threshold arguments ({', '.join(params)})")
+        return cls.preset(name, **dict(zip(params, args)), **kwargs)
+    build.__doc__ = f"Preset ``{name}``: {settings_fn.__doc__}"
+    return classmethod(build)
+
+
+# RolloutCorrectionConfig.decoupled_seq_is(threshold=3.0) & co. (importing slime_rc attaches them)
+for _name, _fn in PRESETS.items():
+    setattr(RolloutCorrectionConfig, _name, _preset_classmethod(_name, _fn))

@@ -27,7 +27,7 @@ import difflib
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
-from .config import RejectionCriterion, RolloutCorrectionConfig, parse_rejection_criteria
+from .config import RejectionCriterion, RolloutCorrectionConfig, parse_rejection_criteria, split_threshold
 from .presets import PRESETS
 
 # The flat settings every source is translated to.
@@ -49,14 +49,11 @@ def _closest(name: str, choices) -> str:
 # ---- spellings -> settings ----------------------------------------------------------------------------------
 def _is_threshold(value):
     """verl's ``rollout_is_threshold``: a number caps the weight; ``"lo_hi"`` is IcePop (mask mode)."""
-    if isinstance(value, str) and "_" in value:
-        lo, _, hi = value.partition("_")
-        try:
-            return {"tis_mode": "mask", "tis_lower_bound": float(lo), "tis_upper_bound": float(hi)}
-        except ValueError:
-            raise ValueError(f"rollout_is_threshold={value!r} is not a number or 'lower_upper' (e.g. '0.5_5.0')") \
-                from None
-    return {} if value is None else {"tis_upper_bound": value}
+    if value is None:
+        return {}
+    upper, lower = split_threshold("rollout_is_threshold", value)
+    return {"tis_upper_bound": upper} if lower is None else {"tis_mode": "mask", "tis_lower_bound": lower,
+                                                             "tis_upper_bound": upper}
 
 
 def _rollout_is(value):
