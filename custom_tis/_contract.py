@@ -50,6 +50,11 @@ def get_arg(args: Any, name: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
+def launch_config(args: Any) -> Optional[RolloutCorrectionConfig]:
+    """The config resolved once at launch (flags + YAML + preset) by :func:`slime_rc.config_from_args`, if any."""
+    return get_arg(args, "rollout_correction_config")
+
+
 def config_from_args(args: Any, keys: Sequence[str] = SLIME_ARG_KEYS, **overrides: Any) -> RolloutCorrectionConfig:
     """Config from the slime keys present on ``args`` and not None (other attributes are ignored).
 
@@ -57,7 +62,7 @@ def config_from_args(args: Any, keys: Sequence[str] = SLIME_ARG_KEYS, **override
     When ``args`` went through :func:`slime_rc.arguments.config_from_args` (flags + YAML + preset, resolved once
     at launch) and there are no overrides, that resolved config is used as it is.
     """
-    resolved = get_arg(args, "rollout_correction_config")
+    resolved = launch_config(args)
     if resolved is not None and not overrides:
         return resolved
     d = {k: get_arg(args, k) for k in keys}

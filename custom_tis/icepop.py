@@ -8,10 +8,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._contract import config_from_args, correct_samples, correct_samples_with_cp, get_arg
+from ._contract import config_from_args, launch_config, correct_samples, correct_samples_with_cp, get_arg
 
 
 def icepop_config(args):
+    """The launch-resolved config when ``args`` went through ``slime_rc.config_from_args``, else this
+    adapter's own reading of ``args`` (below)."""
+    resolved = launch_config(args)
+    if resolved is not None:
+        return resolved
     return config_from_args({}, use_tis=True, tis_level="token", tis_mode="mask",
                             tis_lower_bound=float(get_arg(args, "tis_lower_bound", 0.5)),
                             tis_upper_bound=float(get_arg(args, "tis_upper_bound", 2.0)))

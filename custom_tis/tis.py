@@ -9,10 +9,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._contract import config_from_args, correct_samples, correct_samples_with_cp, get_arg
+from ._contract import config_from_args, launch_config, correct_samples, correct_samples_with_cp, get_arg
 
 
 def tis_config(args):
+    """The launch-resolved config when ``args`` went through ``slime_rc.config_from_args``, else this
+    adapter's own reading of ``args`` (below)."""
+    resolved = launch_config(args)
+    if resolved is not None:
+        return resolved
     low = float(get_arg(args, "tis_clip_low", 0.0))
     return config_from_args({}, use_tis=True, tis_level="token", tis_mode="clip" if low > 0 else "truncate",
                             tis_upper_bound=float(get_arg(args, "tis_clip", 2.0)),

@@ -15,7 +15,8 @@ import os
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
-from .config import IS_LEVELS, IS_MODES, LOSS_TYPES, NONFINITE_POLICIES, RS_OPTIONS, RolloutCorrectionConfig
+from .config import (IS_LEVELS, IS_MODES, LOSS_TYPES, NONFINITE_POLICIES, RS_OPTIONS, RolloutCorrectionConfig,
+                     parse_number, split_threshold)
 from .plugins import TIS_CONTRACT, load_function
 from .presets import PRESETS
 from .settings import Layer, Resolution, preset_layer, resolve
@@ -51,15 +52,21 @@ def _tis_function(value: str) -> str:
 
 def _threshold(value: str) -> str:
     """A number, ``"lower_upper"``, or a comma list of those (one per --rs-level option)."""
-    for part in value.split(","):
-        for number in part.strip().split("_"):
-            try:
-                float(number)
-            except ValueError:
-                raise argparse.ArgumentTypeError(
-                    f"{value!r} is not a threshold: give a number (2.0), 'lower_upper' (0.999_1.001) or a comma "
-                    f"list with one per --rs-level option") from None
+    try:
+        for part in value.split(","):
+            split_threshold("threshold", part)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a threshold: give a number (2.0), 'lower_upper' (0.999_1.001) or a comma "
+            f"list with one per --rs-level option") from None
     return value
+
+
+def _number(value: str) -> float:
+    try:
+        return parse_number("value", value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
 
 
 _BOOL = dict(action=argparse.BooleanOptionalAction, default=None)
@@ -74,27 +81,27 @@ FLAGS: Dict[str, Tuple[str, Dict[str, Any], str]] = {
                                "compute the mismatch metrics even when nothing is corrected"),
     "--use-tis": ("use_tis", _BOOL, "enable importance-sampling weights"),
     "--tis-mode": ("tis_mode", dict(choices=IS_MODES), "truncate (cap above), clip (clamp both), mask (reject outside)"),
-    "--tis-lower-bound": ("tis_lower_bound", dict(type=float), "lower IS bound (default 1/upper)"),
-    "--tis-upper-bound": ("tis_upper_bound", dict(type=float), "upper IS bound (default 2.0)"),
+    "--tis-lower-bound": ("tis_lower_bound", dict(type=_number), "lower IS bound (default 1/upper)"),
+    "--tis-upper-bound": ("tis_upper_bound", dict(type=_number), "upper IS bound (default 2.0)"),
     "--tis-level": ("tis_level", dict(choices=IS_LEVELS), "token, sequence or geometric (default token)"),
     "--tis-batch-normalize": ("tis_batch_normalize", _BOOL, "normalize IS weights to mean 1 over the global batch"),
-    "--tis-clip": ("tis_clip", dict(type=float), "slime's older spelling of --tis-upper-bound"),
-    "--tis-clip-low": ("tis_clip_low", dict(type=float),
+    "--tis-clip": ("tis_clip", dict(type=_number), "slime's older spelling of --tis-upper-bound"),
+    "--tis-clip-low": ("tis_clip_low", dict(type=_number),
                        "slime's older spelling of --tis-lower-bound (0 = no lower bound, truncate mode)"),
     "--use-rs": ("use_rs", _BOOL, "enable rejection sampling"),
-    "--rs-lower-bound": ("rs_lower_bound", dict(type=float),
+    "--rs-lower-bound": ("rs_lower_bound", dict(type=_number),
                          "lower ratio bound of the k1 RS options (default 1/upper)"),
     "--rs-upper-bound": ("rs_upper_bound", dict(type=_threshold),
                          "RS threshold: a number, 'lower_upper', or a comma list, one per --rs-level option"),
     "--rs-level": ("rs_level", dict(type=_rs_level),
                    "token, sequence, geometric, or a comma list of token_k1..seq_max_k3 options (ANDed)"),
-    "--rs-veto-threshold": ("rs_veto_threshold", dict(type=float),
+    "--rs-veto-threshold": ("rs_veto_threshold", dict(type=_number),
                             "reject a sequence holding a token with ratio below this (e.g. 1e-4)"),
     "--rollout-correction-loss-type": ("loss_type", dict(choices=LOSS_TYPES),
                                        "ppo_clip (default) or reinforce (bypass only: REINFORCE with IS weights)"),
     "--rollout-correction-rejected-in-denominator": (
         "rejected_in_denominator", _BOOL, "keep rejected tokens in the loss denominator (default: no)"),
-    "--rollout-correction-safety-bound": ("safety_bound", dict(type=float),
+    "--rollout-correction-safety-bound": ("safety_bound", dict(type=_number),
                                           "clamp log-ratios to +-this before exp (default 20)"),
     "--rollout-correction-on-nonfinite": ("on_nonfinite", dict(choices=NONFINITE_POLICIES),
                                           "NaN/inf log-probs: error (default) or reject the sequence"),
@@ -117,28 +124,40 @@ def _dest(flag: str) -> str:
 
 
 def add_rollout_correction_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the rollout-correction flags (in their own group) to ``parser`` and return it."""
+    """Add the rollout-correction flags (in their own group) to ``parser`` and return it.
+
+    A flag the parser already has (slime's own ``--use-tis``, ``--tis-clip``, ...) is left as it is and read
+    from there; it counts as given when its value differs from that parser's default.
+    """
     group = parser.add_argument_group("rollout correction (slime-rc)")
-    for flag, (_, kwargs, help_) in FLAGS.items():
-        kwargs = dict(kwargs)
-        kwargs.setdefault("default", None)
-        group.add_argument(flag, dest=_dest(flag), help=help_, **kwargs)
-    for flag, (kwargs, help_) in OTHER_FLAGS.items():
-        group.add_argument(flag, dest=_dest(flag), default=None, help=help_, **kwargs)
+    shared = {}
+    existing = parser._option_string_actions  # argparse keeps no public index of option strings
+    for flag, (kwargs, help_) in {**{f: (kw, h) for f, (_, kw, h) in FLAGS.items()}, **OTHER_FLAGS}.items():
+        if flag in existing:
+            shared[_dest(flag)] = (existing[flag].dest, existing[flag].default)
+            continue
+        group.add_argument(flag, dest=_dest(flag), help=help_, **{"default": None, **kwargs})
+    parser.set_defaults(slime_rc_shared_flags=shared)
     return parser
+
+
+def _given(args: argparse.Namespace, flag: str) -> Any:
+    """The value of ``flag`` if it was given on the command line, else None."""
+    dest, default = (getattr(args, "slime_rc_shared_flags", None) or {}).get(_dest(flag), (_dest(flag), None))
+    value = getattr(args, dest, None)
+    return None if value == default else value
 
 
 def resolve_args(args: argparse.Namespace) -> Resolution:
     """The config ``args`` describe, who set each field, and notes (see :func:`slime_rc.settings.resolve`)."""
     layers: List[Layer] = []
-    preset = getattr(args, "rollout_correction_preset", None)
+    preset = _given(args, "--rollout-correction-preset")
     if preset:
         layers.append(preset_layer(preset))
-    path = getattr(args, "custom_config_path", None)
+    path = _given(args, "--custom-config-path")
     if path:
         layers.append(load_yaml_layer(path))
-    given = {key: getattr(args, _dest(flag)) for flag, (key, _, _) in FLAGS.items()
-             if getattr(args, _dest(flag), None) is not None}
+    given = {key: _given(args, flag) for flag, (key, _, _) in FLAGS.items() if _given(args, flag) is not None}
     flag_of = {key: flag for flag, (key, _, _) in FLAGS.items()}
     layers.append(Layer.from_mapping(given, kind="flag", name=lambda k: flag_of.get(k, k)))
     return resolve(layers)
@@ -159,5 +178,5 @@ def config_from_args(args: argparse.Namespace) -> RolloutCorrectionConfig:
 
 def tis_function_from_args(args: argparse.Namespace) -> Optional[Any]:
     """The function named by ``--custom-tis-function-path`` (None when unset: the built-in engine is used)."""
-    spec = getattr(args, "custom_tis_function_path", None)
+    spec = _given(args, "--custom-tis-function-path")
     return load_function(spec, contract=TIS_CONTRACT) if spec else None

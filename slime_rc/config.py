@@ -118,16 +118,30 @@ class RejectionCriterion:
         return -math.inf, self.upper
 
 
+def parse_number(what: str, value: Any) -> Any:
+    """A string as a float, refusing what Python's ``float`` would misread (``"2_0"`` is 20.0 there); other
+    values are returned as they are (validated where they are used)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        if "_" in value:
+            raise ValueError
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{what}={value!r} is not a number") from None
+
+
 def split_threshold(what: str, threshold: Threshold) -> tuple[Threshold, Optional[float]]:
     """``2.0`` -> (upper=2.0, lower=None); ``"0.5_2.0"`` -> (upper=2.0, lower=0.5).  ``what`` names the setting
     in the error message."""
     if isinstance(threshold, str) and "_" in threshold:
-        lo, _, hi = threshold.partition("_")
+        lo, _, hi = threshold.strip().partition("_")
         try:
-            return float(hi), float(lo)
+            return parse_number(what, hi), parse_number(what, lo)
         except ValueError:
-            raise ValueError(f"{what}={threshold!r} is not a number or 'lower_upper' (e.g. '0.5_2.0')") from None
-    return threshold, None
+            raise ValueError(f"{what}={threshold!r} is not a number or 'lower_upper' with one underscore "
+                             f"(e.g. '0.5_2.0')") from None
+    return parse_number(what, threshold), None
 
 
 def parse_rejection_criteria(
@@ -161,6 +175,10 @@ def parse_rejection_criteria(
         raise ValueError(
             f"rs thresholds {upper!r}: give one threshold shared by all {len(names)} options {names} "
             f"or exactly one per option (comma separated).")
+    if lower is not None and all(RS_OPTIONS.get(n, ("", "", "k1"))[2] != "k1" for n in names):
+        raise ValueError(
+            f"rs_lower_bound={lower!r} has no effect on {','.join(names)!r}: k2/k3 options bound a divergence from "
+            f"above only. Drop the lower bound, or add a ratio option (token, sequence, geometric, *_k1).")
     out = []
     for name, thr in zip(names, thresholds):
         if name not in RS_OPTIONS:
@@ -357,5 +375,8 @@ class RolloutCorrectionConfig:
         """The preset ``name`` of :mod:`slime_rc.presets` with keyword overrides for its thresholds; each preset is
         also a classmethod of its own name (``RolloutCorrectionConfig.decoupled_seq_is(threshold=3.0)``)."""
         from .settings import preset_layer, resolve
-        return resolve([preset_layer(name, **overrides)]).config
+        try:
+            return resolve([preset_layer(name, **overrides)]).config
+        except ValueError as e:
+            raise ValueError(str(e) if str(e).startswith("preset ") else f"preset {name!r}: {e}") from None
 

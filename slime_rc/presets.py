@@ -16,7 +16,7 @@ import functools
 import inspect
 from typing import Callable, Dict, Union
 
-from .config import RolloutCorrectionConfig, split_threshold
+from .config import RS_OPTIONS, RolloutCorrectionConfig, split_threshold
 
 Threshold = Union[float, str]
 
@@ -34,6 +34,8 @@ def _is(level: str, threshold: Threshold) -> dict:
 
 
 def _rs(option: str, threshold: Threshold) -> dict:
+    if RS_OPTIONS[option][2] != "k1":  # a divergence bound: one number ("lo_hi" is refused downstream)
+        return {"use_rs": True, "rs_level": option, "rs_upper_bound": threshold}
     upper, lower = split_threshold("rs_threshold", threshold)
     return {"use_rs": True, "rs_level": option, "rs_upper_bound": upper,
             **({} if lower is None else {"rs_lower_bound": lower})}
@@ -186,7 +188,10 @@ def _preset_classmethod(name: str, settings_fn: Callable[..., dict]):
     def build(cls, *args, **kwargs):
         params = list(inspect.signature(settings_fn).parameters)
         if len(args) > len(params):
-            raise TypeError(f"{name}() takes at most {len(params)} threshold arguments ({', '.join(params)})")
+            raise TypeError(f"preset {name}() takes at most {len(params)} threshold arguments ({', '.join(params)})")
+        twice = set(params[:len(args)]) & set(kwargs)
+        if twice:
+            raise TypeError(f"preset {name}(): {', '.join(sorted(twice))} given both by position and by keyword")
         return cls.preset(name, **dict(zip(params, args)), **kwargs)
     build.__doc__ = f"Preset ``{name}``: {settings_fn.__doc__}"
     return classmethod(build)

@@ -195,7 +195,7 @@ def preset_layer(name: str, **overrides: Any) -> Layer:
                          + f" Presets: {', '.join(PRESETS)}.")
     try:
         values = PRESETS[name](**overrides)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         raise ValueError(f"preset {name!r}: {e}") from None
     return Layer.from_mapping(values, kind="preset", where=name)
 
@@ -235,14 +235,19 @@ def resolve(layers: List[Layer]) -> Resolution:
         return owner[key].rank if key in owner else 0
 
     # A setting is dead when its switch is off and it was set above the layer that turned the switch off.
-    for switch, keys, what in (("use_tis", IS_KEYS, "IS weights"), ("use_rs", RS_KEYS, "rejection sampling")):
+    # On one command line a setting beside its own switch turned off is a contradiction too (in a file it is a
+    # switch toggled off with its settings left in place).
+    for switch, keys, what in (("use_tis", IS_KEYS, "IS weights have"), ("use_rs", RS_KEYS, "rejection sampling has")):
         if merged.get(switch):
             continue
         for key in keys:
-            if key in merged and rank(key) > rank(switch):
+            if key not in merged:
+                continue
+            same_line = owner[key].kind == "flag" and rank(switch) == rank(key)
+            if rank(key) > rank(switch) or same_line:
                 how = f"it is off ({owner[switch].given(switch)})" if switch in owner else "nothing enables it"
                 raise ValueError(
-                    f"{owner[key].given(key)} given without {switch}: {what} have no effect because {how}. "
+                    f"{owner[key].given(key)} given without {switch}: {what} no effect because {how}. "
                     f"Add {_switch_name(owner[key], switch)} to enable {what}, or drop it.")
 
     kwargs: Dict[str, Any] = {}

@@ -12,11 +12,27 @@ Inside what is ours an unknown key is an error naming the key and the closest va
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Dict
 
 import yaml
 
 from .settings import SPELLINGS, Layer
+
+
+class _Loader(yaml.SafeLoader):
+    """safe_load, except that numbers never contain underscores: YAML 1.1 reads ``0.5_5`` as 0.55 and
+    ``1_000`` as 1000, which would silently turn a ``lower_upper`` band into a number.  Those stay strings (and
+    are parsed as bands); ``1e-4`` is a float here, as a user means it (YAML 1.1 reads it as a string)."""
+
+
+_INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+_Loader.yaml_implicit_resolvers = {first: [(tag, rx) for tag, rx in resolvers if tag not in (_INT, _FLOAT)]
+                                   for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver(_FLOAT, re.compile(
+    r"^(?:[-+]?(?:[0-9]+\.[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?|[-+]?[0-9]+[eE][-+]?[0-9]+"
+    r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"), list("-+0123456789."))
+_Loader.add_implicit_resolver(_INT, re.compile(r"^[-+]?(?:0|[1-9][0-9]*)$"), list("-+0123456789"))
 
 
 def _verl_settings(algorithm: Any, path: str) -> Dict[str, Any]:
@@ -25,7 +41,7 @@ def _verl_settings(algorithm: Any, path: str) -> Dict[str, Any]:
     block = algorithm.get("rollout_correction") or {}
     if not isinstance(block, dict):
         raise ValueError(f"{path}: 'algorithm.rollout_correction' must be a mapping, got {type(block).__name__}")
-    older = {k: v for k, v in algorithm.items() if k.startswith("rollout_") and k != "rollout_correction"}
+    older = {k: v for k, v in algorithm.items() if k.startswith("rollout_is")}  # the first framework's keys
     both = set(block) & set(older)
     if both:
         raise ValueError(f"{path}: {', '.join(sorted(both))} set both in algorithm.rollout_correction and directly "
@@ -41,7 +57,7 @@ def load_yaml_layer(path: str) -> Layer:
     abspath = os.path.abspath(path)
     try:
         with open(abspath) as f:
-            data = yaml.safe_load(f)
+            data = yaml.load(f, Loader=_Loader)
     except FileNotFoundError:
         raise ValueError(f"--custom-config-path: no such file: {abspath}") from None
     except yaml.YAMLError as e:
@@ -60,5 +76,8 @@ def load_yaml_layer(path: str) -> Layer:
             raise ValueError(f"{abspath}: mixes slime keys ({', '.join(ours)}) with a verl 'algorithm' block; "
                              f"use one dialect per file.")
         data = _verl_settings(data["algorithm"], abspath)
-    return Layer.from_mapping(data, kind="yaml", where=abspath)
+    try:
+        return Layer.from_mapping(data, kind="yaml", where=abspath)
+    except ValueError as e:
+        raise ValueError(str(e) if abspath in str(e) else f"{abspath}: {e}") from None
 

@@ -242,10 +242,12 @@ def test_k2_k3_refuse_lower_bound(option):
 
 
 @pytest.mark.parametrize("option", KDIV_OPTIONS)
-def test_k2_k3_plain_lower_is_ignored_not_applied(option):
+def test_k2_k3_plain_lower_is_not_applied(option):
     # the plain lower ratio bound is only for k1 options; it must not leak into divergence options
-    (c,) = parse_rejection_criteria(option, 0.1, lower=0.5)
-    assert c.lower is None
+    (k1, c) = parse_rejection_criteria(f"token,{option}", "2.0,0.1", lower=0.4)
+    assert k1.lower == 0.4 and c.lower is None
+    # and with no k1 option to apply to it would be a silent no-op: refused
+    _raises(lambda: parse_rejection_criteria(option, 0.1, lower=0.5), "rs_lower_bound=0.5", "no effect", option)
 
 
 def test_unknown_option_with_suggestion():
