@@ -159,7 +159,10 @@ def resolve_args(args: argparse.Namespace) -> Resolution:
         layers.append(load_yaml_layer(path))
     given = {key: _given(args, flag) for flag, (key, _, _) in FLAGS.items() if _given(args, flag) is not None}
     flag_of = {key: flag for flag, (key, _, _) in FLAGS.items()}
-    layers.append(Layer.from_mapping(given, kind="flag", name=lambda k: flag_of.get(k, k)))
+    def spelled(key):  # what the user typed: --no-use-tis for a False boolean
+        flag = flag_of.get(key, key)
+        return "--no-" + flag[2:] if given.get(key) is False else flag
+    layers.append(Layer.from_mapping(given, kind="flag", name=spelled))
     return resolve(layers)
 
 

@@ -175,20 +175,21 @@ def parse_rejection_criteria(
         raise ValueError(
             f"rs thresholds {upper!r}: give one threshold shared by all {len(names)} options {names} "
             f"or exactly one per option (comma separated).")
-    if lower is not None and all(RS_OPTIONS.get(n, ("", "", "k1"))[2] != "k1" for n in names):
-        raise ValueError(
-            f"rs_lower_bound={lower!r} has no effect on {','.join(names)!r}: k2/k3 options bound a divergence from "
-            f"above only. Drop the lower bound, or add a ratio option (token, sequence, geometric, *_k1).")
-    out = []
+    out, lower_used = [], False
     for name, thr in zip(names, thresholds):
         if name not in RS_OPTIONS:
             raise ValueError(
                 f"rs_level={name!r} is not a rejection option; choose from {', '.join(RS_OPTIONS)}."
                 + _closest(name, RS_OPTIONS))
         hi, lo = split_threshold(f"rs threshold for {name!r}", thr)
-        if RS_OPTIONS[name][2] == "k1" and lo is None:
-            lo = lower
+        if RS_OPTIONS[name][2] == "k1" and lo is None and lower is not None:
+            lo, lower_used = lower, True
         out.append(RejectionCriterion(name, hi, lo))
+    if lower is not None and not lower_used:
+        raise ValueError(
+            f"rs_lower_bound={lower!r} has no effect on {','.join(names)!r}: it applies to ratio (k1) options whose "
+            f"threshold carries no 'lower_upper' band, and k2/k3 options bound a divergence from above only. Drop "
+            f"it, or write the band into the threshold (e.g. '0.5_2.0').")
     return tuple(out)
 
 

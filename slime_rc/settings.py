@@ -269,8 +269,14 @@ def resolve(layers: List[Layer]) -> Resolution:
     elif lower is not None:
         kwargs["is_lower_bound"] = lower
     if merged.get("use_rs"):
-        kwargs["rs"] = parse_rejection_criteria(merged.get("rs_level") or "token", merged.get("rs_upper_bound"),
-                                                merged.get("rs_lower_bound"))
+        rs_lower = merged.get("rs_lower_bound")
+        if "_" in str(merged.get("rs_upper_bound")) and rank("rs_lower_bound") < rank("rs_upper_bound"):
+            rs_lower = None  # a 'lower_upper' band given above replaces a lower bound from below
+        try:
+            kwargs["rs"] = parse_rejection_criteria(merged.get("rs_level") or "token", merged.get("rs_upper_bound"),
+                                                    rs_lower)
+        except ValueError as e:
+            raise ValueError(_where(str(e), owner)) from None
     if merged.get("use_rollout_logprobs"):
         kwargs["mode"] = "bypass"
     try:
@@ -289,8 +295,12 @@ def resolve(layers: List[Layer]) -> Resolution:
     sources = {}
     for f in fields(RolloutCorrectionConfig):
         keys = [k for k in FIELD_SETTINGS.get(f.name, ()) if k in owner]
-        top = max(keys, key=rank) if keys else None
-        sources[f.name] = label(top) if top else ("derived" if f.name == "mode" else "default")
+        top = max(reversed(keys), key=rank) if keys else None  # ties: the detail (tis_level) over its switch
+        sources[f.name] = label(top) if top else "default"
+    if config.mode != "bypass" and "use_rollout_correction" not in owner:
+        # decoupled vs standard follows from whether anything corrects
+        sources["mode"] = "derived: decoupled iff IS/RS/veto is set" + (
+            f" (not bypass: {sources['mode']})" if sources["mode"] != "default" else "")
     notes = []
     if config.is_enabled and not config.is_weights_applied:
         notes.append(
@@ -312,7 +322,6 @@ def _where(message: str, owner: Dict[str, Layer]) -> str:
     """Append which user-facing setting produced each config field a validation message names."""
     hits = []
     for fname, keys in FIELD_SETTINGS.items():
-        if f"{fname}=" in message:
-            hits += [owner[k].label(k) for k in keys if k in owner and owner[k].kind != "default"]
+        hits += [owner[k].label(k) for k in keys if k in owner and (f"{fname}=" in message or f"{k}=" in message)]
     hits = list(dict.fromkeys(hits))
     return message + (f" (set by {', '.join(hits)})" if hits else "")

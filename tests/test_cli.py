@@ -28,7 +28,7 @@ def test_table_shows_each_setting_with_its_source(capsys, tmp_path):
     assert code == 0
     assert "decoupled PPO" in out
     assert _row(out, "is_upper_bound")[1:] == ["4.0", "--tis-upper-bound"]         # flag beats YAML
-    assert _row(out, "is_level")[1:] == ["sequence", "use_tis", "in", str(yaml_path)]  # YAML beats preset
+    assert _row(out, "is_level")[1:] == ["sequence", "tis_level", "in", str(yaml_path)]  # YAML beats preset
     assert _row(out, "rs")[1:4] == ["sequence", "in", "[0.5,"]                     # from the preset
     assert _row(out, "rs")[-2:] == ["preset", "decoupled_seq_is_rs"]
     assert _row(out, "safety_bound")[1:] == ["20.0", "default"]
