@@ -237,7 +237,8 @@ def resolve(layers: List[Layer]) -> Resolution:
     # A setting is dead when its switch is off and it was set above the layer that turned the switch off.
     # On one command line a setting beside its own switch turned off is a contradiction too (in a file it is a
     # switch toggled off with its settings left in place).
-    for switch, keys, what in (("use_tis", IS_KEYS, "IS weights have"), ("use_rs", RS_KEYS, "rejection sampling has")):
+    for switch, keys, what, verb in (("use_tis", IS_KEYS, "IS weights", "have"),
+                                     ("use_rs", RS_KEYS, "rejection sampling", "has")):
         if merged.get(switch):
             continue
         for key in keys:
@@ -247,7 +248,7 @@ def resolve(layers: List[Layer]) -> Resolution:
             if rank(key) > rank(switch) or same_line:
                 how = f"it is off ({owner[switch].given(switch)})" if switch in owner else "nothing enables it"
                 raise ValueError(
-                    f"{owner[key].given(key)} given without {switch}: {what} no effect because {how}. "
+                    f"{owner[key].given(key)} given without {switch}: {what} {verb} no effect because {how}. "
                     f"Add {_switch_name(owner[key], switch)} to enable {what}, or drop it.")
 
     kwargs: Dict[str, Any] = {}
@@ -313,8 +314,11 @@ def resolve(layers: List[Layer]) -> Resolution:
 
 
 def _switch_name(layer: Layer, switch: str) -> str:
+    """How to turn ``switch`` on in the spelling the user wrote ``layer`` in."""
     if layer.kind == "flag":
         return "--" + switch.replace("_", "-")
+    if any(name.startswith("rollout_") for name in layer.names.values()):  # verl spelling
+        return {"use_tis": "rollout_is: token (or sequence)", "use_rs": "rollout_rs: <option>"}[switch]
     return f"{switch}: true"
 
 
