@@ -301,7 +301,7 @@ class RolloutCorrectionConfig:
         if mode == "standard" and corrects:
             raise ValueError(
                 "mode='standard' applies no correction (pi_old is recomputed and pi_rollout is ignored), but "
-                f"{self._correction_summary()} is set; use mode='decoupled' to correct pi_rollout -> pi_old, "
+                f"{self.correction_summary()} is set; use mode='decoupled' to correct pi_rollout -> pi_old, "
                 "mode='bypass' to use the rollout log-probs as pi_old, or drop the IS/RS settings.")
         if mode == "decoupled" and not corrects:
             raise ValueError(
@@ -316,7 +316,8 @@ class RolloutCorrectionConfig:
             raise ValueError(f"get_mismatch_metrics={self.get_mismatch_metrics!r} must be true or false.")
         object.__setattr__(self, "mode", mode)
 
-    def _correction_summary(self) -> str:
+    def correction_summary(self) -> str:
+        """``is_level='token' and rs='geometric'``: what this config corrects, for messages."""
         parts = [f"is_level={self.is_level!r}"] if self.is_enabled else []
         parts += [f"rs={','.join(c.option for c in self.rs)!r}"] if self.rs else []
         parts += [f"veto_threshold={self.veto_threshold!r}"] if self.veto_threshold is not None else []

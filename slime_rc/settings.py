@@ -220,88 +220,42 @@ FIELD_SETTINGS = {
 }
 
 
+class _Merged:
+    """The merged settings and, per setting, the layer that set it."""
+
+    def __init__(self, layers: List[Layer]):
+        self.values: Dict[str, Any] = {}
+        self.owner: Dict[str, Layer] = {}
+        for layer in sorted(layers, key=lambda l: l.rank):
+            for key, value in layer.values.items():
+                self.values[key], self.owner[key] = value, layer
+
+    def get(self, key: str) -> Any:
+        return self.values.get(key)
+
+    def rank(self, key: str) -> int:
+        return self.owner[key].rank if key in self.owner else 0
+
+    def given(self, key: str) -> str:
+        return self.owner[key].given(key)
+
+
 def resolve(layers: List[Layer]) -> Resolution:
     """Merge ``layers`` (lowest precedence first) and build the validated config."""
-    merged: Dict[str, Any] = {}
-    owner: Dict[str, Layer] = {}
-    for layer in sorted(layers, key=lambda l: l.rank):
-        for key, value in layer.values.items():
-            merged[key], owner[key] = value, layer
-
-    def label(key):
-        return owner[key].label(key)
-
-    def rank(key):
-        return owner[key].rank if key in owner else 0
-
-    # A setting is dead when its switch is off and it was set above the layer that turned the switch off.
-    # On one command line a setting beside its own switch turned off is a contradiction too (in a file it is a
-    # switch toggled off with its settings left in place).
-    for switch, keys, what, verb in (("use_tis", IS_KEYS, "IS weights", "have"),
-                                     ("use_rs", RS_KEYS, "rejection sampling", "has")):
-        if merged.get(switch):
-            continue
-        for key in keys:
-            if key not in merged:
-                continue
-            same_line = owner[key].kind == "flag" and rank(switch) == rank(key)
-            if rank(key) > rank(switch) or same_line:
-                how = f"it is off ({owner[switch].given(switch)})" if switch in owner else "nothing enables it"
-                raise ValueError(
-                    f"{owner[key].given(key)} given without {switch}: {what} {verb} no effect because {how}. "
-                    f"Add {_switch_name(owner[key], switch)} to enable {what}, or drop it.")
-
-    kwargs: Dict[str, Any] = {}
-    if merged.get("use_tis"):
-        kwargs["is_level"] = merged.get("tis_level") or "token"
-    for key, dst in (("tis_mode", "is_mode"), ("tis_upper_bound", "is_upper_bound"),
-                     ("tis_batch_normalize", "is_batch_normalize"), ("rs_veto_threshold", "veto_threshold"),
-                     ("loss_type", "loss_type"), ("get_mismatch_metrics", "get_mismatch_metrics"),
-                     *((k, k) for k in ENGINE_KEYS)):
-        if merged.get(key) is not None:
-            kwargs[dst] = merged[key]
-    lower = merged.get("tis_lower_bound")
-    if lower is not None and lower == 0:
-        # slime's --tis-clip-low 0 means "no lower clip": exactly truncate mode
-        if (merged.get("tis_mode") or "truncate") != "truncate":
-            raise ValueError(f"{owner['tis_lower_bound'].given('tis_lower_bound')} means no lower bound, which only is_mode='truncate' "
-                             f"has; give a positive lower bound for mode {merged['tis_mode']!r}, or leave it unset "
-                             f"(1/upper).")
-    elif lower is not None:
-        kwargs["is_lower_bound"] = lower
-    if merged.get("use_rs"):
-        rs_lower = merged.get("rs_lower_bound")
-        if "_" in str(merged.get("rs_upper_bound")) and rank("rs_lower_bound") < rank("rs_upper_bound"):
-            rs_lower = None  # a 'lower_upper' band given above replaces a lower bound from below
-        try:
-            kwargs["rs"] = parse_rejection_criteria(merged.get("rs_level") or "token", merged.get("rs_upper_bound"),
-                                                    rs_lower)
-        except ValueError as e:
-            raise ValueError(_where(str(e), owner)) from None
-    if merged.get("use_rollout_logprobs"):
-        kwargs["mode"] = "bypass"
+    m = _Merged(layers)
+    _refuse_dead_settings(m)
     try:
-        config = RolloutCorrectionConfig(**kwargs)  # an unset mode is derived: decoupled iff something corrects
+        config = RolloutCorrectionConfig(**_config_kwargs(m))  # an unset mode is derived: decoupled iff corrects
     except ValueError as e:
-        raise ValueError(_where(str(e), owner)) from None
-    wanted = merged.get("use_rollout_correction")
+        raise ValueError(_where(str(e), m.owner)) from None
+    wanted = m.get("use_rollout_correction")
     if wanted is not None and bool(wanted) != config.corrects:
         raise ValueError(
-            f"{owner['use_rollout_correction'].given('use_rollout_correction')} but "
-            + (f"{config._correction_summary()} is configured" if config.corrects else "nothing is configured to "
+            f"{m.given('use_rollout_correction')} but "
+            + (f"{config.correction_summary()} is configured" if config.corrects else "nothing is configured to "
                "correct")
             + ": " + ("add IS (use_tis) and/or RS (use_rs), or a preset, or drop it." if wanted else
                       "turn IS/RS/veto off (use_tis / use_rs false, no veto), or drop it."))
-
-    sources = {}
-    for f in fields(RolloutCorrectionConfig):
-        keys = [k for k in FIELD_SETTINGS.get(f.name, ()) if k in owner]
-        top = max(reversed(keys), key=rank) if keys else None  # ties: the detail (tis_level) over its switch
-        sources[f.name] = label(top) if top else "default"
-    if config.mode != "bypass" and "use_rollout_correction" not in owner:
-        # decoupled vs standard follows from whether anything corrects
-        sources["mode"] = "derived: decoupled iff IS/RS/veto is set" + (
-            f" (not bypass: {sources['mode']})" if sources["mode"] != "default" else "")
     notes = []
     if config.is_enabled and not config.is_weights_applied:
         notes.append(
@@ -310,7 +264,72 @@ def resolve(layers: List[Layer]) -> Resolution:
             f"reported in the metrics but not multiplied into the loss"
             + (" (mask-mode rejection still applies)" if config.is_mode == "mask" else "")
             + ". For explicit IS weights use loss_type='reinforce' (--rollout-correction-loss-type reinforce).")
-    return Resolution(config, sources, notes)
+    return Resolution(config, _sources(m, config), notes)
+
+
+def _refuse_dead_settings(m: _Merged) -> None:
+    """A setting is dead when its switch is off and it was set above the layer that turned the switch off.  On one
+    command line a setting beside its own switch turned off is a contradiction too (in a file it is a switch
+    toggled off with its settings left in place)."""
+    for switch, keys, what, verb in (("use_tis", IS_KEYS, "IS weights", "have"),
+                                     ("use_rs", RS_KEYS, "rejection sampling", "has")):
+        if m.get(switch):
+            continue
+        for key in keys:
+            if key not in m.values:
+                continue
+            same_line = m.owner[key].kind == "flag" and m.rank(switch) == m.rank(key)
+            if m.rank(key) > m.rank(switch) or same_line:
+                how = f"it is off ({m.given(switch)})" if switch in m.owner else "nothing enables it"
+                raise ValueError(
+                    f"{m.given(key)} given without {switch}: {what} {verb} no effect because {how}. "
+                    f"Add {_switch_name(m.owner[key], switch)} to enable {what}, or drop it.")
+
+
+def _config_kwargs(m: _Merged) -> Dict[str, Any]:
+    kwargs: Dict[str, Any] = {}
+    if m.get("use_tis"):
+        kwargs["is_level"] = m.get("tis_level") or "token"
+    for key, dst in (("tis_mode", "is_mode"), ("tis_upper_bound", "is_upper_bound"),
+                     ("tis_batch_normalize", "is_batch_normalize"), ("rs_veto_threshold", "veto_threshold"),
+                     ("loss_type", "loss_type"), ("get_mismatch_metrics", "get_mismatch_metrics"),
+                     *((k, k) for k in ENGINE_KEYS)):
+        if m.get(key) is not None:
+            kwargs[dst] = m.get(key)
+    lower = m.get("tis_lower_bound")
+    if lower is not None and lower == 0:
+        # slime's --tis-clip-low 0 means "no lower clip": exactly truncate mode
+        if (m.get("tis_mode") or "truncate") != "truncate":
+            raise ValueError(f"{m.given('tis_lower_bound')} means no lower bound, which only is_mode='truncate' "
+                             f"has; give a positive lower bound for mode {m.get('tis_mode')!r}, or leave it unset "
+                             f"(1/upper).")
+    elif lower is not None:
+        kwargs["is_lower_bound"] = lower
+    if m.get("use_rs"):
+        rs_lower = m.get("rs_lower_bound")
+        if "_" in str(m.get("rs_upper_bound")) and m.rank("rs_lower_bound") < m.rank("rs_upper_bound"):
+            rs_lower = None  # a 'lower_upper' band given above replaces a lower bound from below
+        try:
+            kwargs["rs"] = parse_rejection_criteria(m.get("rs_level") or "token", m.get("rs_upper_bound"), rs_lower)
+        except ValueError as e:
+            raise ValueError(_where(str(e), m.owner)) from None
+    if m.get("use_rollout_logprobs"):
+        kwargs["mode"] = "bypass"
+    return kwargs
+
+
+def _sources(m: _Merged, config: RolloutCorrectionConfig) -> Dict[str, str]:
+    """Config field -> the user-facing name of the highest layer's setting it was built from."""
+    sources = {}
+    for f in fields(RolloutCorrectionConfig):
+        keys = [k for k in FIELD_SETTINGS.get(f.name, ()) if k in m.owner]
+        top = max(reversed(keys), key=m.rank) if keys else None  # ties: the detail (tis_level) over its switch
+        sources[f.name] = m.owner[top].label(top) if top else "default"
+    if config.mode != "bypass" and "use_rollout_correction" not in m.owner:
+        # decoupled vs standard follows from whether anything corrects
+        sources["mode"] = "derived: decoupled iff IS/RS/veto is set" + (
+            f" (not bypass: {sources['mode']})" if sources["mode"] != "default" else "")
+    return sources
 
 
 def _switch_name(layer: Layer, switch: str) -> str:
