@@ -37,6 +37,9 @@ ENGINE_KEYS = ("safety_bound", "on_nonfinite", "rejected_in_denominator", "quant
 MODE_KEYS = ("use_rollout_logprobs", "use_rollout_correction", "loss_type", "get_mismatch_metrics")
 SETTINGS = ("use_tis",) + IS_KEYS + ("use_rs",) + RS_KEYS + ("rs_veto_threshold",) + MODE_KEYS + ENGINE_KEYS
 
+BOOL_SETTINGS = {"use_tis", "use_rs", "tis_batch_normalize", "use_rollout_logprobs", "use_rollout_correction",
+                 "get_mismatch_metrics", "rejected_in_denominator"}
+
 # Precedence of the layer kinds, lowest first.
 KINDS = ("default", "preset", "yaml", "flag", "dict")
 
@@ -172,6 +175,12 @@ class Layer:
                     f"unknown rollout-correction key {name(key)!r}{' in ' + where if where else ''}."
                     + _closest(key, SPELLINGS) + f" Valid keys: {', '.join(sorted(SPELLINGS))}.")
             family, translate = SPELLINGS[key]
+            if isinstance(value, bool) or value is None:
+                pass
+            elif key in BOOL_SETTINGS or key in ("bypass_mode", "use_policy_gradient", "rollout_is_batch_normalize",
+                                                 "is_batch_normalize"):
+                # "false" (a string) would be truthy and switch the feature on
+                raise ValueError(f"{name(key)}={value!r}{' in ' + where if where else ''} must be true or false.")
             for setting, v in translate(value).items():
                 if setting in layer.values:
                     other, other_family = family_of[setting]

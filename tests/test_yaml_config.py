@@ -448,3 +448,13 @@ def test_dead_setting_in_yaml_names_file_and_switch(tmp_path):
 def test_mode_error_in_yaml_names_the_keys(tmp_path):
     path = _write(tmp_path, "algorithm:\n  rollout_correction:\n    rollout_is: token\n    loss_type: reinforce\n")
     _raises(lambda: _load(path), "loss_type='reinforce'", "bypass", f"loss_type in {os.path.abspath(path)}")
+
+
+@pytest.mark.parametrize("text", ['use_tis: "false"\n', "use_rs: 1\nrs_upper_bound: 2.0\n",
+                                  "algorithm:\n  rollout_correction:\n    bypass_mode: 'no'\n"])
+def test_a_switch_must_be_a_boolean_not_a_truthy_string(tmp_path, text):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match="must be true or false") as e:
+        load_yaml_layer(str(path))
+    assert str(path) in str(e.value)
