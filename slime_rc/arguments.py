@@ -99,6 +99,11 @@ FLAGS: Dict[str, Tuple[str, Dict[str, Any], str]] = {
                             "reject a sequence holding a token with ratio below this (e.g. 1e-4)"),
     "--rollout-correction-loss-type": ("loss_type", dict(choices=LOSS_TYPES),
                                        "ppo_clip (default) or reinforce (bypass only: REINFORCE with IS weights)"),
+    "--eps-clip": ("eps_clip", dict(type=_number), "PPO clip range: ratio clipped to [1 - eps, 1 + eps_high] (0.2)"),
+    "--eps-clip-high": ("eps_clip_high", dict(type=_number), "upper PPO clip range (default --eps-clip)"),
+    "--eps-clip-c": ("eps_clip_c", dict(type=_number), "dual-clip bound (> 1) for negative advantages (off)"),
+    "--calculate-per-token-loss": ("calculate_per_token_loss", _BOOL,
+                                   "token mean over the batch instead of per-sample mean then mean"),
     "--rollout-correction-rejected-in-denominator": (
         "rejected_in_denominator", _BOOL, "keep rejected tokens in the loss denominator (default: no)"),
     "--rollout-correction-safety-bound": ("safety_bound", dict(type=_number),

@@ -20,6 +20,9 @@ NONFINITE_POLICIES = ("error", "reject")
 # How the loss uses the correction (rollout_corr_math.md §3): who plays pi_old, and which policy loss.
 MODES = ("standard", "decoupled", "bypass")
 LOSS_TYPES = ("ppo_clip", "reinforce")
+# How per-token losses become one number: mean over each sample's tokens then over samples (slime's default), or
+# one mean over all tokens of the batch (slime's --calculate-per-token-loss).
+LOSS_AGGREGATIONS = ("sample_mean", "token_mean")
 
 # Rejection options.  Each is (granularity, aggregate, statistic):
 #   granularity "token" rejects single tokens, "sequence" rejects whole sequences;
@@ -221,6 +224,10 @@ class RolloutCorrectionConfig:
         pi_theta/pi_rollout, so IS weights are diagnostics only (``is_weights_applied`` is False); rejection
         (RS, veto, mask mode) still applies.
       * ``get_mismatch_metrics``: compute the mismatch metrics even when nothing is corrected.
+
+    Policy loss (:func:`slime_rc.compute_policy_loss`): ``eps_clip`` / ``eps_clip_high`` (default: ``eps_clip``)
+    clip the PPO ratio to [1 - eps_clip, 1 + eps_clip_high]; ``eps_clip_c`` (> 1, optional) is the dual-clip
+    bound for negative advantages; ``loss_agg`` is ``sample_mean`` or ``token_mean``.
     """
 
     is_level: Optional[str] = None
@@ -237,6 +244,10 @@ class RolloutCorrectionConfig:
     mode: Optional[str] = None
     loss_type: str = "ppo_clip"
     get_mismatch_metrics: bool = False
+    eps_clip: float = 0.2
+    eps_clip_high: Optional[float] = None
+    eps_clip_c: Optional[float] = None
+    loss_agg: str = "sample_mean"
 
     def __post_init__(self):
         if self.is_level is not None and self.is_level not in IS_LEVELS:
@@ -312,6 +323,21 @@ class RolloutCorrectionConfig:
                 f"loss_type='reinforce' needs mode='bypass' (got mode={mode!r}): the REINFORCE weight "
                 "pi_theta/pi_rollout needs the rollout log-probs as pi_old (--use-rollout-logprobs / "
                 "bypass_mode: true); for the recomputed pi_old use loss_type='ppo_clip'.")
+        eps = _positive_finite("eps_clip", self.eps_clip, "a typical value is 0.2")
+        object.__setattr__(self, "eps_clip", eps)
+        if eps >= 1:
+            raise ValueError(f"eps_clip={eps} must be < 1: the PPO ratio is clipped to [1 - eps_clip, ...].")
+        if self.eps_clip_high is not None:
+            object.__setattr__(self, "eps_clip_high", _positive_finite(
+                "eps_clip_high", self.eps_clip_high, "leave it unset for eps_clip, or e.g. 0.28 (clip-higher)"))
+        if self.eps_clip_c is not None:
+            c = _positive_finite("eps_clip_c", self.eps_clip_c, "the dual-clip bound is typically 3.0")
+            if c <= 1:
+                raise ValueError(f"eps_clip_c={c} must be > 1 (dual clip caps -A * ratio at -A * c for A < 0).")
+            object.__setattr__(self, "eps_clip_c", c)
+        if self.loss_agg not in LOSS_AGGREGATIONS:
+            raise ValueError(f"loss_agg={self.loss_agg!r} is not an aggregation; use one of {LOSS_AGGREGATIONS}."
+                             + _closest(str(self.loss_agg), LOSS_AGGREGATIONS))
         if not isinstance(self.get_mismatch_metrics, bool):
             raise ValueError(f"get_mismatch_metrics={self.get_mismatch_metrics!r} must be true or false.")
         object.__setattr__(self, "mode", mode)

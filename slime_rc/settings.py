@@ -35,10 +35,12 @@ IS_KEYS = ("tis_level", "tis_mode", "tis_upper_bound", "tis_lower_bound", "tis_b
 RS_KEYS = ("rs_level", "rs_upper_bound", "rs_lower_bound")
 ENGINE_KEYS = ("safety_bound", "on_nonfinite", "rejected_in_denominator", "quantile_bins_per_octave")
 MODE_KEYS = ("use_rollout_logprobs", "use_rollout_correction", "loss_type", "get_mismatch_metrics")
-SETTINGS = ("use_tis",) + IS_KEYS + ("use_rs",) + RS_KEYS + ("rs_veto_threshold",) + MODE_KEYS + ENGINE_KEYS
+LOSS_KEYS = ("eps_clip", "eps_clip_high", "eps_clip_c", "loss_agg")
+SETTINGS = ("use_tis",) + IS_KEYS + ("use_rs",) + RS_KEYS + ("rs_veto_threshold",) + MODE_KEYS + ENGINE_KEYS \
+    + LOSS_KEYS
 
 BOOL_SETTINGS = {"use_tis", "use_rs", "tis_batch_normalize", "use_rollout_logprobs", "use_rollout_correction",
-                 "get_mismatch_metrics", "rejected_in_denominator"}
+                 "get_mismatch_metrics", "rejected_in_denominator", "calculate_per_token_loss"}
 
 # Precedence of the layer kinds, lowest first.
 KINDS = ("default", "preset", "yaml", "flag", "dict")
@@ -104,6 +106,7 @@ SPELLINGS: Dict[str, Tuple[str, Callable[[Any], dict]]] = {
     "mis_veto_threshold": ("slime", _rename("rs_veto_threshold")),
     "tis_clip": ("slime", _rename("tis_upper_bound")),
     "tis_clip_low": ("slime", _rename("tis_lower_bound")),
+    "calculate_per_token_loss": ("slime", lambda v: {"loss_agg": "token_mean" if v else "sample_mean"}),
     "is_level": ("own", lambda v: {"use_tis": v is not None, **({"tis_level": v} if v is not None else {})}),
     "is_mode": ("own", _rename("tis_mode")),
     "is_upper_bound": ("own", _rename("tis_upper_bound")),
@@ -225,7 +228,7 @@ FIELD_SETTINGS = {
     "rs": ("use_rs",) + RS_KEYS, "veto_threshold": ("rs_veto_threshold",),
     "mode": ("use_rollout_logprobs", "use_rollout_correction"), "loss_type": ("loss_type",),
     "get_mismatch_metrics": ("get_mismatch_metrics",),
-    **{k: (k,) for k in ENGINE_KEYS},
+    **{k: (k,) for k in ENGINE_KEYS + LOSS_KEYS},
 }
 
 
@@ -302,7 +305,7 @@ def _config_kwargs(m: _Merged) -> Dict[str, Any]:
     for key, dst in (("tis_mode", "is_mode"), ("tis_upper_bound", "is_upper_bound"),
                      ("tis_batch_normalize", "is_batch_normalize"), ("rs_veto_threshold", "veto_threshold"),
                      ("loss_type", "loss_type"), ("get_mismatch_metrics", "get_mismatch_metrics"),
-                     *((k, k) for k in ENGINE_KEYS)):
+                     *((k, k) for k in ENGINE_KEYS + LOSS_KEYS)):
         if m.get(key) is not None:
             kwargs[dst] = m.get(key)
     lower = m.get("tis_lower_bound")

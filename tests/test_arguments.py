@@ -95,6 +95,10 @@ FLAG_TABLE = {
                                        "loss_type", "reinforce"),
     "--rollout-correction-rejected-in-denominator": (
         ["--use-tis", "--rollout-correction-rejected-in-denominator"], "rejected_in_denominator", True),
+    "--eps-clip": (["--eps-clip", "0.1"], "eps_clip", 0.1),
+    "--eps-clip-high": (["--eps-clip-high", "0.28"], "eps_clip_high", 0.28),
+    "--eps-clip-c": (["--eps-clip-c", "3"], "eps_clip_c", 3.0),
+    "--calculate-per-token-loss": (["--calculate-per-token-loss"], "loss_agg", "token_mean"),
     "--rollout-correction-safety-bound": (["--rollout-correction-safety-bound", "30"], "safety_bound", 30.0),
     "--rollout-correction-on-nonfinite": (["--rollout-correction-on-nonfinite", "reject"], "on_nonfinite", "reject"),
     "--rollout-correction-quantile-bins": (["--rollout-correction-quantile-bins", "256"],
@@ -140,7 +144,7 @@ BOOL_FLAGS = [f for f, (_, kw, _) in FLAGS.items() if kw.get("action") is argpar
 def test_boolean_flags_are_the_switches():
     assert set(BOOL_FLAGS) == {"--use-rollout-logprobs", "--use-rollout-correction", "--get-mismatch-metrics",
                                "--use-tis", "--tis-batch-normalize", "--use-rs",
-                               "--rollout-correction-rejected-in-denominator"}
+                               "--rollout-correction-rejected-in-denominator", "--calculate-per-token-loss"}
 
 
 @pytest.mark.parametrize("flag", BOOL_FLAGS)
