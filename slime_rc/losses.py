@@ -1,0 +1,152 @@
+"""Policy losses with rollout correction, on packed 1-D tokens (pure torch; no Megatron needed).
+
+Modes (``config.mode`` / ``config.loss_type``, rollout_corr_math.md §3), per loss token t, with
+``A`` the advantage, ``rho = exp(log pi_theta - log pi_old)`` and ``w`` the engine's IS weight (detached):
+
+* standard PPO:      ``l_t = max(-A rho, -A clip(rho, 1 - eps, 1 + eps_high))``, pi_old recomputed, no correction;
+* decoupled PPO:     ``l_t = w * max(...)`` with ``w`` from pi_old / pi_rollout, RS/veto/mask drop tokens;
+* bypass PPO:        pi_old := pi_rollout, ``l_t = max(...)`` (IS weights diagnostics only), RS/veto/mask drop tokens;
+* bypass REINFORCE:  ``l_t = -w * log pi_theta * A`` with ``w`` from pi_theta / pi_rollout (engine, detached).
+
+Dual clip (``eps_clip_c``): for ``A < 0``, ``l_t = min(l_t, -A c)``.  IS weights never carry gradient; a rejected
+token contributes exactly zero loss and zero gradient (its inputs are replaced before any arithmetic, so a NaN
+there cannot leak into the gradient); a batch where everything is rejected gives a finite zero loss.
+
+Aggregation (``config.loss_agg``): ``token_mean`` = ``sum_t l_t / D`` over the batch; ``sample_mean`` = mean over
+samples of ``sum_{t in i} l_t / D_i``, over samples with ``D_i > 0``.  The denominators ``D`` count kept tokens, or
+every loss token with ``rejected_in_denominator`` (then rejected tokens dilute the mean).
+
+Under CP/DP each rank passes its own tokens and a reducer; the returned loss is **this rank's share**: the shares
+of all ranks of the reducer's batch group add up to the single-process loss.  ``normalizer`` may carry denominators
+computed once for a larger batch (the global batch, before the first micro-batch; see :func:`loss_normalizer`),
+then the loss makes no collective call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from .config import RolloutCorrectionConfig
+from .correction import CorrectionResult, compute_rollout_correction
+from .packed import broadcast_to_tokens, segment_sum
+from .reducer import LocalReducer, as_reducer
+
+
+@dataclass(frozen=True)
+class LossNormalizer:
+    """Loss denominators: ``tokens`` (0-d, D of the batch), ``sequences`` (0-d, samples with D_i > 0) and
+    ``per_sequence`` (``[B]``, D_i of each sequence the tokens belong to)."""
+
+    tokens: torch.Tensor
+    sequences: torch.Tensor
+    per_sequence: torch.Tensor
+
+
+def loss_normalizer(count_mask: torch.Tensor, cu_seqlens: torch.Tensor,
+                    reducer: Optional[LocalReducer] = None) -> LossNormalizer:
+    """Denominators of the tokens counted by ``count_mask [N]`` (1 = counts), global over the reducer's groups:
+    one ``combine_sequences`` (D_i over CP) and one ``sum_totals`` (D and the sample count over DP x CP)."""
+    reducer = as_reducer(reducer)
+    per_seq, _ = reducer.combine_sequences(segment_sum(count_mask.double(), cu_seqlens)[:, None],
+                                           torch.zeros(cu_seqlens.numel() - 1, 0, dtype=torch.float64,
+                                                       device=count_mask.device))
+    per_seq = per_seq[:, 0]
+    live = (per_seq > 0).sum() if reducer.counts_sequences else torch.zeros((), dtype=torch.int64)
+    totals = reducer.sum_totals(torch.stack([count_mask.double().sum(), live.double()]))
+    return LossNormalizer(tokens=totals[0], sequences=totals[1], per_sequence=per_seq)
+
+
+def _token_coefficients(normalizer: LossNormalizer, config: RolloutCorrectionConfig, cu_seqlens: torch.Tensor,
+                        n_tokens: int) -> torch.Tensor:
+    """``[N]`` float32 c_t so that the loss is sum_t c_t l_t (0 where a denominator is 0)."""
+    if config.loss_agg == "token_mean":
+        return torch.full((n_tokens,), 1.0 / max(float(normalizer.tokens), 1.0), device=cu_seqlens.device)
+    per_seq = torch.where(normalizer.per_sequence > 0, 1.0 / normalizer.per_sequence.clamp(min=1.0), 0.0)
+    per_seq = per_seq / max(float(normalizer.sequences), 1.0)
+    return broadcast_to_tokens(per_seq, cu_seqlens[1:] - cu_seqlens[:-1], n_tokens).float()
+
+
+def compute_policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: Optional[torch.Tensor],
+    rollout_log_probs: Optional[torch.Tensor],
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    config: RolloutCorrectionConfig,
+    *,
+    reducer: Optional[LocalReducer] = None,
+    correction: Optional[CorrectionResult] = None,
+    normalizer: Optional[LossNormalizer] = None,
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """``(loss, metrics)`` for packed tokens.
+
+    Args:
+        log_probs: ``[N]`` log pi_theta (carries the gradient).
+        old_log_probs: ``[N]`` log pi_old recomputed by the trainer (standard and decoupled modes); ignored in
+            bypass mode, where pi_old := pi_rollout.
+        rollout_log_probs: ``[N]`` log pi_rollout; needed whenever anything is corrected, in bypass mode, and for
+            ``get_mismatch_metrics``.
+        advantages, loss_mask: ``[N]``; cu_seqlens: ``[B+1]``.
+        reducer: for CP/DP (see module docstring).  correction: the engine's result for these tokens computed
+            beforehand (decoupled mode's pre-step path); normalizer: precomputed denominators.
+    Returns:
+        the loss (0-d, this rank's share) and metrics: the engine's (``rollout_corr/...``) plus ``pg_loss``,
+        ``pg_clipfrac`` (kept tokens whose PPO term was clipped) and ``ppo_kl`` (log pi_old - log pi_theta),
+        aggregated like the loss (this rank's share).
+    """
+    mask = loss_mask.bool()
+    bypass = config.mode == "bypass"
+    if bypass or config.corrects or config.get_mismatch_metrics:
+        if rollout_log_probs is None:
+            raise ValueError(f"rollout_log_probs is None but mode={config.mode!r} with "
+                             f"{config.correction_summary() or 'get_mismatch_metrics'} needs them; pass the rollout "
+                             f"engine's log-probs (or use mode='standard' without metrics).")
+    if not bypass and old_log_probs is None:
+        raise ValueError(f"old_log_probs is None in mode={config.mode!r}: pass the recomputed log pi_old, or use "
+                         f"bypass mode (--use-rollout-logprobs) where pi_old := pi_rollout.")
+    old = rollout_log_probs if bypass else old_log_probs
+
+    if correction is None and (config.corrects or config.get_mismatch_metrics):
+        train = log_probs.detach() if bypass else old_log_probs
+        correction = compute_rollout_correction(train, rollout_log_probs, mask, cu_seqlens, config, reducer=reducer)
+    keep = mask if correction is None else correction.keep_mask.bool()
+    if normalizer is None:
+        normalizer = loss_normalizer(mask if config.rejected_in_denominator else keep, cu_seqlens, reducer)
+
+    # Rejected and masked tokens get neutral inputs before any arithmetic: exactly zero loss and gradient there.
+    lp = torch.where(keep, log_probs, torch.zeros((), dtype=log_probs.dtype, device=log_probs.device))
+    adv = torch.where(keep, advantages.float(), 0.0)
+    if config.loss_type == "reinforce":
+        w = correction.is_weights if (correction is not None and config.is_weights_applied) else None
+        per_token = -(lp.float() * adv) * (1.0 if w is None else w.detach())
+        clipped = torch.zeros_like(keep)
+        log_rho = torch.zeros_like(adv)
+    else:
+        log_rho = lp.float() - torch.where(keep, old.float(), 0.0).detach()
+        rho = torch.exp(log_rho)
+        upper = 1.0 + (config.eps_clip_high if config.eps_clip_high is not None else config.eps_clip)
+        unclipped, clipped_term = -adv * rho, -adv * rho.clamp(1.0 - config.eps_clip, upper)
+        per_token = torch.maximum(unclipped, clipped_term)
+        clipped = keep & (clipped_term > unclipped)
+        if config.eps_clip_c is not None:
+            dual = -adv * config.eps_clip_c
+            clipped = clipped | (keep & (adv < 0) & (per_token > dual))
+            per_token = torch.where(adv < 0, torch.minimum(per_token, dual), per_token)
+        if correction is not None and config.is_weights_applied:
+            per_token = per_token * correction.is_weights.detach()
+    per_token = torch.where(keep, per_token, 0.0)
+
+    coef = _token_coefficients(normalizer, config, cu_seqlens, lp.numel())
+    loss = (per_token * coef).sum()
+    metrics = {  # aggregated like the loss
+        "pg_loss": loss.detach(),
+        "pg_clipfrac": (clipped.float() * coef).sum(),
+        "ppo_kl": (torch.where(keep, -log_rho.detach(), 0.0) * coef).sum(),
+    }
+    if correction is not None:
+        metrics.update(correction.prefixed())
+    return loss, metrics
