@@ -63,6 +63,23 @@ CONFIGS = {
     "reject_nan_seq_trunc": RolloutCorrectionConfig(is_level="sequence", is_upper_bound=2.0, is_batch_normalize=True,
                                                     on_nonfinite="reject"),
 }
+# policy losses (slime_rc.compute_policy_loss): each rank's share under CP+DP must add up to the global loss
+LOSS_CONFIGS = {
+    "dec_seq_is_rs_veto": RolloutCorrectionConfig(is_level="sequence", is_batch_normalize=True,
+                                                  rs=parse_rejection_criteria("token", 2.0), veto_threshold=1e-3),
+    "bypass_pg_token_is": RolloutCorrectionConfig(mode="bypass", loss_type="reinforce", is_level="token",
+                                                  loss_agg="token_mean"),
+    "dec_geo_mask_dilute": RolloutCorrectionConfig(is_level="geometric", is_mode="mask", is_upper_bound=1.05,
+                                                   rejected_in_denominator=True, loss_agg="token_mean"),
+}
+
+
+def loss_inputs(train: torch.Tensor):
+    """Deterministic pi_theta and advantages for a packed batch (a function of the global token index)."""
+    i = torch.arange(train.numel(), dtype=torch.float32)
+    return train + 0.05 * torch.cos(i), torch.sin(0.37 * i)
+
+
 ERROR_CONFIG = RolloutCorrectionConfig(is_level="token", is_batch_normalize=True, on_nonfinite="error")
 
 # slime-style args for custom_tis.mis (check 5)
@@ -224,9 +241,36 @@ def _layout_checks(ps, clean, with_nan, full_refs) -> dict:
         info["raised"], info["message"] = type(e).__name__, str(e)
     out["errors"]["nan"] = info
 
-    # 5: custom_tis.mis CP adapter vs its non-CP function (only under CP)
+    # 5: policy-loss shares and gradients on this rank's tokens
+    out["losses"] = _loss_checks(clean, shard(clean, dp_size, dp_rank, cp_size, cp_rank))
+    out["tp_rank"] = ps.get_tensor_model_parallel_rank()
+
+    # 6: custom_tis.mis CP adapter vs its non-CP function (only under CP)
     if cp_size > 1:
         out["mis"] = _mis_checks(clean, dp_size, dp_rank, cp_size, cp_rank)
+    return out
+
+
+def _loss_checks(samples, sh) -> dict:
+    """This rank's loss share and gradient (megatron_reducer: CP + DP) next to the single-process loss of the whole
+    batch and its gradient at this rank's tokens."""
+    from slime_rc import compute_policy_loss
+    from slime_rc.reducer import megatron_reducer
+
+    train, rollout, mask, cu = pack_samples(samples)
+    theta, adv = loss_inputs(train)
+    _, _, _, local_cu = pack_samples(sh["local"])
+    g = sh["gidx"]
+    out = {}
+    for name, config in LOSS_CONFIGS.items():
+        full = theta.clone().requires_grad_(True)
+        ref, _ = compute_policy_loss(full, train, rollout, adv, mask, cu, config)
+        ref.backward()
+        local = theta[g].clone().requires_grad_(True)
+        share, _ = compute_policy_loss(local, train[g], rollout[g], adv[g], mask[g], local_cu, config,
+                                       reducer=megatron_reducer())
+        share.backward()
+        out[name] = dict(share=float(share), ref=float(ref), grad=local.grad.clone(), ref_grad=full.grad[g].clone())
     return out
 
 
@@ -411,3 +455,18 @@ def test_custom_tis_mis_with_cp_matches_non_cp(runs, layout):
             assert set(got["metrics"]) == set(want["metrics"]), f"{what}: metric names differ"
             for k in want["metrics"]:
                 _close_tensor(f"{what} metrics[{k}]", got["metrics"][k], want["metrics"][k], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_policy_loss_shares_add_up_and_gradients_match_single_process(runs, layout):
+    for name in LOSS_CONFIGS:
+        shares, ref = 0.0, None
+        for rank, run in enumerate(runs):
+            case = run[layout]["losses"][name]
+            what = f"{layout}/{name} rank {rank}"
+            _close_tensor(f"{what} grad", case["grad"], case["ref_grad"], atol=1e-7, rtol=1e-6)
+            ref = case["ref"]
+            if run[layout]["tp_rank"] == 0:  # TP peers hold the same tokens: count each (DP, CP) shard once
+                shares += case["share"]
+        assert ref != 0.0
+        assert shares == pytest.approx(ref, rel=1e-6, abs=1e-9), f"{layout}/{name}"
