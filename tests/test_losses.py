@@ -231,3 +231,48 @@ def test_vocab_parallel_log_probs_single_shard_matches_log_softmax():
     torch.testing.assert_close(g1, g2, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="temperature"):
         vocab_parallel_log_probs(logits, target, temperature=0.0)
+
+
+def _micro_batch(b, lo_seq, hi_seq, vocab=11, seed=0):
+    """Sequences [lo_seq, hi_seq) of batch ``b`` as a Megatron-loss micro-batch, with logits whose target
+    log-prob is exactly ``theta`` at temperature 1 (target logit = theta + log Z)."""
+    cu = b["cu"]
+    t0, t1 = int(cu[lo_seq]), int(cu[hi_seq])
+    n = t1 - t0
+    g = torch.Generator().manual_seed(seed)
+    targets = torch.randint(0, vocab, (n,), generator=g)
+    other = torch.randn(n, vocab, generator=g)
+    other = other.scatter(1, targets[:, None], -torch.inf)  # Z of the other tokens
+    rest = torch.logsumexp(other, 1)
+    # p(target) = e^x / (e^x + e^rest) = e^theta  =>  x = theta + rest - log(1 - e^theta)
+    x = b["theta"][t0:t1] + rest - torch.log1p(-torch.exp(b["theta"][t0:t1]))
+    logits = other.scatter(1, targets[:, None], x[:, None])
+    return dict(targets=targets, loss_mask=b["mask"][t0:t1], advantages=b["adv"][t0:t1],
+                old_log_probs=b["old"][t0:t1], rollout_log_probs=b["rollout"][t0:t1],
+                cu_seqlens=cu[lo_seq:hi_seq + 1] - cu[lo_seq]), logits
+
+
+def test_megatron_policy_loss_prestep_path_is_the_global_batch_loss():
+    from slime_rc.megatron.loss import policy_loss, prepare_global_batch
+    from slime_rc.reducer import LocalReducer
+    cfg = RolloutCorrectionConfig(is_level="token", is_batch_normalize=True,
+                                  rs=parse_rejection_criteria("token", 1.6), loss_agg="sample_mean")
+    b = _batch(12)
+    mbs = [_micro_batch(b, 0, 2, seed=1), _micro_batch(b, 2, 5, seed=2)]
+    # the logits reproduce theta as the target log-probs
+    from slime_rc.megatron.logprobs import vocab_parallel_log_probs
+    torch.testing.assert_close(vocab_parallel_log_probs(mbs[1][1], mbs[1][0]["targets"]),
+                               b["theta"][int(b["cu"][2]):], rtol=1e-5, atol=1e-5)
+    prepared = prepare_global_batch([mb for mb, _ in mbs], cfg, reducer=LocalReducer())
+    total = sum(policy_loss(logits, mb, cfg, prepared=p, reducer=LocalReducer())[0]
+                for (mb, logits), p in zip(mbs, prepared))
+    whole = compute_policy_loss(b["theta"], b["old"], b["rollout"], b["adv"], b["mask"], b["cu"], cfg)[0]
+    assert float(total) == pytest.approx(float(whole), rel=1e-5)
+    # one micro-batch: the pre-step path equals the in-loss path
+    mb, logits = _micro_batch(b, 0, 5, seed=3)
+    (p,) = prepare_global_batch([mb], cfg, reducer=LocalReducer())
+    a = policy_loss(logits, mb, cfg, prepared=p, reducer=LocalReducer())[0]
+    c = policy_loss(logits, mb, cfg, reducer=LocalReducer())[0]
+    assert float(a) == pytest.approx(float(c), rel=1e-6)
+    with pytest.raises(ValueError, match="decoupled"):
+        prepare_global_batch([mb], RolloutCorrectionConfig(mode="bypass"), reducer=LocalReducer())
