@@ -16,7 +16,7 @@ def _batch(seed=0, lengths=(5, 1, 7, 3, 6), sigma=0.3):
     n = sum(lengths)
     rollout = -torch.rand(n, generator=g) * 2 - 0.05
     old = rollout + sigma * torch.randn(n, generator=g)
-    theta = old + 0.15 * torch.randn(n, generator=g)
+    theta = (old + 0.15 * torch.randn(n, generator=g)).clamp(max=-1e-3)  # a log-prob
     adv = torch.randn(n, generator=g)
     mask = (torch.rand(n, generator=g) > 0.2).float()
     return dict(theta=theta, old=old, rollout=rollout, adv=adv, mask=mask, cu=cu_seqlens_from_lengths(list(lengths)))
@@ -276,3 +276,33 @@ def test_megatron_policy_loss_prestep_path_is_the_global_batch_loss():
     assert float(a) == pytest.approx(float(c), rel=1e-6)
     with pytest.raises(ValueError, match="decoupled"):
         prepare_global_batch([mb], RolloutCorrectionConfig(mode="bypass"), reducer=LocalReducer())
+
+
+def test_megatron_policy_loss_with_a_slime_tis_function_equals_the_builtin_engine():
+    import types
+    from custom_tis.mis import compute_mis_weights_with_cp
+    from slime_rc.megatron.loss import policy_loss, with_sample_fields
+    from slime_rc.plugins import load_function
+    from slime_rc.reducer import LocalReducer
+    cfg = RolloutCorrectionConfig(is_level="sequence", rs=parse_rejection_criteria("token", 1.5), veto_threshold=0.5)
+    b = _batch(13)
+    cu = b["cu"]
+    b["mask"][cu[1:] - 1] = 0.0  # the last position of a sequence has no target
+    mb, logits = _micro_batch(b, 0, 5, seed=4)
+    mb = with_sample_fields(mb)
+    mb["position_ids"] = torch.cat([torch.arange(int(n)) for n in cu[1:] - cu[:-1]])
+    args = types.SimpleNamespace(rollout_correction_config=cfg)
+    assert load_function("mis") is compute_mis_weights_with_cp
+    lp = logits.clone().requires_grad_(True)
+    custom, m1 = policy_loss(lp, mb, cfg, reducer=LocalReducer(), tis_function=compute_mis_weights_with_cp,
+                             tis_args=args)
+    custom.backward()
+    lp2 = logits.clone().requires_grad_(True)
+    builtin, m2 = policy_loss(lp2, mb, cfg, reducer=LocalReducer())
+    builtin.backward()
+    assert float(m2["rollout_corr/rollout_rs_masked_fraction"]) > 0  # the case rejects something
+    assert float(custom) == pytest.approx(float(builtin), rel=1e-6)
+    torch.testing.assert_close(lp.grad, lp2.grad, rtol=1e-6, atol=1e-9)
+    with pytest.raises(ValueError, match="with_sample_fields"):
+        policy_loss(logits, {k: v for k, v in mb.items() if k != "sample_lengths"}, cfg, reducer=LocalReducer(),
+                    tis_function=compute_mis_weights_with_cp, tis_args=args)

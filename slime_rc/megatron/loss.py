@@ -84,14 +84,62 @@ def prepare_global_batch(micro_batches: Sequence[Dict[str, torch.Tensor]], confi
     return out
 
 
+def with_sample_fields(micro_batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Add what slime's TIS-function contract needs to an *unsharded* packed micro-batch: ``sample_lengths`` (each
+    sequence's length T_i, slime's total length; its response is positions 1..T_i-1, i.e. the T_i - 1 targets) and
+    ``sample_loss_masks`` (each sequence's full-length response mask).  Lists, so CP sharding passes them through."""
+    cu = micro_batch["cu_seqlens"].tolist()
+    mask = micro_batch["loss_mask"]
+    out = dict(micro_batch)
+    out["sample_lengths"] = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    out["sample_loss_masks"] = [mask[a:max(b - 1, a)].float() for a, b in zip(cu[:-1], cu[1:])]
+    return out
+
+
+def tis_function_correction(tis_function: Callable, args, micro_batch: Dict[str, torch.Tensor],
+                            train_log_probs: torch.Tensor) -> CorrectionResult:
+    """Weights and keep mask of this rank's tokens from a slime-contract TIS function
+    (``fn(args, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths)``,
+    see :mod:`slime_rc.plugins`).  It is called with ``pg_loss = 1``, so the ``pg_loss * weights`` it returns is the
+    weights.  ``micro_batch``: this rank's tokens with ``position_ids`` (position in its sequence) and the fields of
+    :func:`with_sample_fields`."""
+    missing = [k for k in ("position_ids", "sample_lengths", "sample_loss_masks") if k not in micro_batch]
+    if missing:
+        raise ValueError(f"a custom TIS function needs {', '.join(missing)} in the micro-batch: run "
+                         f"slime_rc.megatron.loss.with_sample_fields on it before CP sharding")
+    cu, pos = micro_batch["cu_seqlens"].tolist(), micro_batch["position_ids"]
+    lengths = [int(n) for n in micro_batch["sample_lengths"]]
+    rollout = micro_batch["rollout_log_probs"]
+    picks = []
+    for i, total in enumerate(lengths):  # response log-prob j sits at position j (prompt = the first token)
+        local = torch.arange(cu[i], cu[i + 1])
+        picks.append(local[pos[cu[i]:cu[i + 1]] < total - 1])
+    idx = torch.cat(picks) if picks else torch.zeros(0, dtype=torch.int64)
+    train = train_log_probs.detach().float()
+    pg, masks, metrics = tis_function(
+        args, pg_loss=torch.ones(idx.numel()), train_log_probs=[train[p] for p in picks],
+        rollout_log_probs=[rollout[p].float() for p in picks], loss_masks=list(micro_batch["sample_loss_masks"]),
+        total_lengths=lengths, response_lengths=[max(n - 1, 0) for n in lengths])
+    n = train.numel()
+    weights = torch.zeros(n).index_copy(0, idx, pg.detach().reshape(-1).float())
+    kept = torch.cat(list(masks)).float() if len(masks) else torch.zeros(0)
+    keep = torch.zeros(n).index_copy(0, idx, kept) * micro_batch["loss_mask"].float()
+    flat = {k: (torch.cat(list(v)) if isinstance(v, (list, tuple)) else v) for k, v in metrics.items()}
+    return CorrectionResult(is_weights=weights * keep, keep_mask=keep,
+                            metrics={k: v.float().mean() if v.numel() else torch.zeros(()) for k, v in flat.items()})
+
+
 def policy_loss(logits: torch.Tensor, micro_batch: Dict[str, torch.Tensor], config: RolloutCorrectionConfig, *,
                 temperature: float = 1.0, prepared: Optional[PreparedMicroBatch] = None, scale: float = 1.0,
-                reducer: Optional[LocalReducer] = None) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+                reducer: Optional[LocalReducer] = None, tis_function: Optional[Callable] = None,
+                tis_args=None) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """``(value for Megatron's schedule, metrics)`` for one micro-batch on this rank.
 
     ``logits``: ``[N, V / tp]`` (this rank's tokens, its vocab shard).  ``micro_batch``: :data:`REQUIRED` plus
     ``old_log_probs`` / ``rollout_log_probs`` as the mode needs.  ``prepared``: from :func:`prepare_global_batch`
     (then ``scale`` should be ``num_microbatches * dp_size``); otherwise the correction runs here over the CP group.
+    ``tis_function`` (``--custom-tis-function-path``, called with ``tis_args``): weights and keep mask come from it
+    (:func:`tis_function_correction`) instead of the built-in engine; the loss around them is the same.
     """
     missing = [k for k in REQUIRED if k not in micro_batch]
     if missing:
@@ -102,6 +150,9 @@ def policy_loss(logits: torch.Tensor, micro_batch: Dict[str, torch.Tensor], conf
     kwargs = {}
     if prepared is not None:
         kwargs = dict(correction=prepared.correction, normalizer=prepared.normalizer)
+    elif tis_function is not None:
+        train = log_probs if config.mode == "bypass" else micro_batch["old_log_probs"]
+        kwargs = dict(correction=tis_function_correction(tis_function, tis_args, micro_batch, train))
     loss, metrics = compute_policy_loss(
         log_probs, micro_batch.get("old_log_probs"), micro_batch.get("rollout_log_probs"),
         micro_batch["advantages"], micro_batch["loss_mask"], micro_batch["cu_seqlens"], config,
@@ -110,8 +161,9 @@ def policy_loss(logits: torch.Tensor, micro_batch: Dict[str, torch.Tensor], conf
 
 
 def make_loss_func(config: RolloutCorrectionConfig, *, temperature: float = 1.0,
-                   prepared: Optional[Sequence[PreparedMicroBatch]] = None,
-                   num_microbatches: int = 1) -> Callable[[torch.Tensor, Dict[str, torch.Tensor]], tuple]:
+                   prepared: Optional[Sequence[PreparedMicroBatch]] = None, num_microbatches: int = 1,
+                   tis_function: Optional[Callable] = None,
+                   tis_args=None) -> Callable[[torch.Tensor, Dict[str, torch.Tensor]], tuple]:
     """A ``loss_fn(logits, micro_batch)`` for a forward step: the i-th call uses ``prepared[i]`` (pre-step path)."""
     calls = {"i": 0}
     scale = 1.0
@@ -124,6 +176,7 @@ def make_loss_func(config: RolloutCorrectionConfig, *, temperature: float = 1.0,
         if prepared is not None:
             p = prepared[calls["i"] % len(prepared)]
             calls["i"] += 1
-        return policy_loss(logits, micro_batch, config, temperature=temperature, prepared=p, scale=scale)
+        return policy_loss(logits, micro_batch, config, temperature=temperature, prepared=p, scale=scale,
+                           tis_function=tis_function, tis_args=tis_args)
 
     return loss_fn
