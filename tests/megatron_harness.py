@@ -1,0 +1,271 @@
+"""Worker functions for ``tests/test_megatron_layouts.py``: a tiny real megatron-core GPT trained for a few steps
+under one parallel layout after another, inside processes spawned by ``tests.dist_utils.run_distributed``.
+
+Everything here runs in the spawned children (they import megatron-core and apply the CPU patches); the pytest
+process only imports this module for its constants and data (``make_global_batch``), never megatron.
+
+The loss (defined here, not in the package): token-level REINFORCE,
+
+    L = - sum_{loss tokens of the global batch} logp * advantage / (number of loss tokens of the global batch)
+
+with ``logp`` from ``vocab_parallel_log_probs(logits, targets, TEMPERATURE)``.  It is fed to megatron in both of
+``slime_rc.megatron.model``'s conventions:
+
+* ``"per_token"`` (``calculate_per_token_loss=True``): ``loss_fn`` returns ``(-sum(logp * adv * mask),
+  mask.sum(), logs)``; megatron divides the gradients by the token count summed over micro-batches and DP x CP;
+* ``"legacy"`` (``calculate_per_token_loss=False``): ``loss_fn`` returns ``(-sum(logp * adv * mask) * M * dp /
+  N_global, logs)``; the schedule multiplies by ``cp`` and divides by ``M``, DDP averages over DP x CP.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Dict, List
+
+import torch
+
+N_MICRO_BATCHES = 8  # global batch; DP ranks take contiguous blocks (M = 8 / dp per rank)
+N_STEPS = 3
+LR = 3e-3
+TEMPERATURE = 0.7
+DATA_SEED = 7
+
+# name -> (world size, initialize_parallel kwargs, conventions run[, TinyGPTConfig overrides])
+LAYOUTS = {
+    # 2-process spawn
+    "tp2": (2, dict(tp=2), ("per_token",)),
+    "tp2_sp": (2, dict(tp=2, sequence_parallel=True), ("per_token",)),
+    "pp2": (2, dict(pp=2), ("per_token",)),
+    "pp2_vpp2": (2, dict(pp=2, vpp=2), ("per_token", "legacy")),
+    "cp2": (2, dict(cp=2), ("per_token", "legacy")),
+    "dp2": (2, dict(), ("per_token", "legacy")),
+    "pp2_tied": (2, dict(pp=2), ("per_token",), dict(tie_embeddings=True)),
+    # 4-process spawn
+    "tp2_pp2": (4, dict(tp=2, pp=2), ("per_token",)),
+    "cp4": (4, dict(cp=4), ("per_token",)),
+    "dp2_cp2": (4, dict(cp=2), ("per_token", "legacy")),
+    "tp2_cp2": (4, dict(tp=2, cp=2), ("per_token",)),
+    "tp2_cp2_sp": (4, dict(tp=2, cp=2, sequence_parallel=True), ("per_token",)),
+    "pp2_vpp2_dp2": (4, dict(pp=2, vpp=2), ("per_token",)),
+}
+REFERENCE = "single"
+# what the 1-process reference runs: (convention, TinyGPTConfig overrides) for every pair the layouts use
+VARIANTS = {"base": {}, "tied": dict(tie_embeddings=True)}
+ATTENTION_CHECKS = {REFERENCE: 1, "cp2": 2, "cp4": 4}  # where the core-attention unit checks run (cp size)
+
+
+def layout_variant(name: str) -> str:
+    overrides = LAYOUTS[name][3] if len(LAYOUTS[name]) > 3 else {}
+    return next(k for k, v in VARIANTS.items() if v == overrides)
+
+
+def reference_key(name: str, convention: str):
+    return (REFERENCE, convention, layout_variant(name))
+
+
+def reference_runs() -> List[tuple]:
+    """(convention, variant) pairs the 1-process reference runs: those the layouts need, and both conventions of
+    the base model (they must agree with each other)."""
+    pairs = {("per_token", "base"), ("legacy", "base")}
+    pairs |= {(conv, layout_variant(n)) for n, spec in LAYOUTS.items() for conv in spec[2]}
+    return sorted(pairs)
+
+
+def make_global_batch(seed: int = DATA_SEED, n_micro_batches: int = N_MICRO_BATCHES, vocab: int = 128) -> List[dict]:
+    """Packed micro-batches of 1-4 sequences of 2..45 tokens (prompt + response), a different total length per
+    micro-batch.  Per-token fields are aligned with the targets: ``loss_mask`` is 0 on each sequence's last
+    position (no target) and on a random prompt-like head; ``advantages`` are per-sequence values plus noise."""
+    g = torch.Generator().manual_seed(seed)
+    out, totals = [], set()
+    while len(out) < n_micro_batches:
+        n_seq = int(torch.randint(1, 5, (1,), generator=g))
+        lengths = [int(x) for x in torch.randint(2, 46, (n_seq,), generator=g)]
+        if sum(lengths) in totals:
+            continue
+        totals.add(sum(lengths))
+        cu = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
+        total = int(cu[-1])
+        tokens = torch.randint(0, vocab, (total,), generator=g)
+        mask = torch.zeros(total)
+        adv = torch.zeros(total)
+        for i, n in enumerate(lengths):
+            s = int(cu[i])
+            prompt = int(torch.randint(0, n, (1,), generator=g))  # loss on the response: [prompt, n - 1)
+            mask[s + prompt:s + n - 1] = 1.0
+            adv[s:s + n] = 1.0 + 0.7 * torch.randn(1, generator=g) + 0.3 * torch.randn(n, generator=g)
+        out.append(dict(tokens=tokens, cu_seqlens=cu.to(torch.int32), loss_mask=mask, advantages=adv))
+    return out
+
+
+def global_loss_tokens(batch: List[dict]) -> int:
+    return int(sum(float(mb["loss_mask"].sum()) for mb in batch))
+
+
+def _loss_fns(n_global: int):
+    from slime_rc.megatron.logprobs import vocab_parallel_log_probs
+
+    def per_token(logits, mb):
+        logp = vocab_parallel_log_probs(logits, mb["targets"], TEMPERATURE)
+        local_sum = -(logp * mb["advantages"] * mb["loss_mask"]).sum()
+        return local_sum, mb["loss_mask"].sum(), {"logp": logp.detach()}
+
+    def legacy(logits, mb):
+        logp = vocab_parallel_log_probs(logits, mb["targets"], TEMPERATURE)
+        local_sum = -(logp * mb["advantages"] * mb["loss_mask"]).sum()
+        scale = mb["num_micro_batches"] * mb["dp_size"] / n_global
+        return local_sum * scale, {"logp": logp.detach()}
+
+    return {"per_token": per_token, "legacy": legacy}
+
+
+def _run(name: str, kwargs: dict, convention: str, batch: List[dict], rank: int, overrides: dict) -> dict:
+    from megatron.core import parallel_state as ps
+
+    from slime_rc.megatron import model as M
+
+    t0 = time.perf_counter()
+    layout = M.initialize_parallel(**kwargs, seed=1234)
+    try:
+        cfg = M.TinyGPTConfig(**overrides)
+        model = M.build_model(cfg, calculate_per_token_loss=(convention == "per_token"))
+        optimizer = M.build_optimizer(model, lr=LR)
+        loss_fn = _loss_fns(global_loss_tokens(batch))[convention]
+        dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        per = len(batch) // dp
+        my_ids = list(range(dp_rank * per, (dp_rank + 1) * per))
+        mine = M.data_parallel_slice(batch)
+        last = ps.is_pipeline_last_stage(ignore_virtual=True)
+        reporter = last and ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+        out = dict(sizes=dict(tp=ps.get_tensor_model_parallel_world_size(),
+                              pp=ps.get_pipeline_model_parallel_world_size(),
+                              vpp=ps.get_virtual_pipeline_model_parallel_world_size() or 1,
+                              cp=ps.get_context_parallel_world_size(), dp=dp,
+                              sp=layout.sequence_parallel, chunks=len(model)),
+                   ranks=dict(tp=ps.get_tensor_model_parallel_rank(), pp=ps.get_pipeline_model_parallel_rank(),
+                              cp=ps.get_context_parallel_rank(), dp=dp_rank),
+                   loss=[], grad_norm=[], logp=[], num_tokens=[])
+
+        def gathered(result) -> Dict[int, torch.Tensor]:
+            if not last:
+                return {}
+            logps = {i: M.gather_to_global(o["logp"], lmb)
+                     for i, o, lmb in zip(my_ids, result.outputs, result.local_micro_batches)}
+            return logps if reporter else {}
+
+        init = M.full_parameters(model)
+        for _ in range(N_STEPS):
+            r = M.train_step(model, optimizer, mine, loss_fn)
+            out["loss"].append(r.loss)
+            out["grad_norm"].append(r.grad_norm)
+            out["num_tokens"].append(r.num_tokens)
+            out["logp"].append(gathered(r))
+        if layout.vpp and len(mine) > layout.pp:  # interleaved PP on gloo refuses M == pp (it would deadlock)
+            try:
+                M.train_step(model, optimizer, mine[:layout.pp], loss_fn)
+                out["vpp_guard"] = None
+            except ValueError as e:
+                out["vpp_guard"] = str(e)
+        r = M.train_step(model, None, mine, loss_fn, forward_only=True)
+        out["fwd_loss"] = r.loss
+        out["fwd_logp"] = gathered(r)
+        final = M.full_parameters(model)
+        out["param_norm"] = float(torch.sqrt(sum((p.double() ** 2).sum() for p in final.values())))
+        if rank == 0:  # full tensors once per layout (rank 0 holds the whole model after the gathers)
+            out["init_params"] = init
+            out["final_params"] = final
+        out["seconds"] = time.perf_counter() - t0
+        return out
+    finally:
+        M.destroy_parallel()
+
+
+def attention_checks(cp_size: int) -> Dict[str, float]:
+    """``ContextParallelDotProductAttention`` on this rank's zigzag shard vs ``torch``'s scaled-dot-product
+    attention on the full sequences (causal, per packed sequence): outputs and the gradients of q, k, v (max
+    |error| / max |reference|).  Needs megatron's parallel state with context parallel size ``cp_size``."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from slime_rc.megatron.cp_attention import ContextParallelDotProductAttention, zigzag_positions
+
+    assert ps.get_context_parallel_world_size() == cp_size
+    cp_rank = ps.get_context_parallel_rank()
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    heads, dim = 4, 16
+    out = {}
+    for fmt, groups in (("thd", 4), ("thd_gqa", 2), ("sbhd", 4)):
+        config = TransformerConfig(num_layers=1, hidden_size=heads * dim, num_attention_heads=heads,
+                                   num_query_groups=groups, context_parallel_size=cp_size, attention_dropout=0.0,
+                                   hidden_dropout=0.0, use_cpu_initialization=True)
+        attn = ContextParallelDotProductAttention(config, 1, AttnMaskType.causal, "self")
+        g = torch.Generator().manual_seed(11)
+        lengths = [8, 24, 16] if fmt.startswith("thd") else [24]  # multiples of 2 * cp for cp <= 4
+        batch = 1 if fmt.startswith("thd") else 2
+        total = sum(lengths)
+        q = torch.randn(total, batch, heads, dim, generator=g, dtype=torch.float64).float().requires_grad_()
+        k = torch.randn(total, batch, groups, dim, generator=g, dtype=torch.float64).float().requires_grad_()
+        v = torch.randn(total, batch, groups, dim, generator=g, dtype=torch.float64).float().requires_grad_()
+        go = torch.randn(total, batch, heads * dim, generator=g, dtype=torch.float64).float()
+        # reference on the full sequences
+        ref_parts, start = [], 0
+        for n in lengths:
+            sl = slice(start, start + n)
+            qs = q[sl].permute(1, 2, 0, 3)  # [b, h, s, d]
+            ks = k[sl].repeat_interleave(heads // groups, dim=2).permute(1, 2, 0, 3)
+            vs = v[sl].repeat_interleave(heads // groups, dim=2).permute(1, 2, 0, 3)
+            ref_parts.append(sdpa(qs, ks, vs, is_causal=True).permute(2, 0, 1, 3).reshape(n, batch, heads * dim))
+            start += n
+        ref = torch.cat(ref_parts)
+        ref_grads = torch.autograd.grad(ref, (q, k, v), go)
+        # this rank's zigzag rows
+        seq, pos = zigzag_positions(lengths, cp_size, cp_rank)
+        starts = torch.tensor([0] + lengths[:-1]).cumsum(0)
+        rows = starts[seq] + pos
+        ql, kl, vl = (x.detach()[rows].clone().requires_grad_() for x in (q, k, v))
+        if fmt.startswith("thd"):
+            cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+            psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
+                                  cu_seqlens_kv_padded=cu, max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+            got = attn(ql.squeeze(1), kl.squeeze(1), vl.squeeze(1), None, packed_seq_params=psp).unsqueeze(1)
+        else:
+            got = attn(ql, kl, vl, None)
+        grads = torch.autograd.grad(got, (ql, kl, vl), go[rows])
+        got, ref = got.detach(), ref.detach()
+        out[f"{fmt}_out"] = float((got - ref[rows]).abs().max() / ref.abs().max())
+        for name, a, b in zip("qkv", grads, ref_grads):
+            out[f"{fmt}_grad_{name}"] = float((a - b[rows]).abs().max() / b.abs().max())
+    return out
+
+
+def worker(rank: int, world_size: int, names: List[str]) -> dict:
+    """Runs every named layout (``REFERENCE`` = the 1-process run of every convention and variant) in this
+    spawn, plus the core-attention checks (``ATTENTION_CHECKS``)."""
+    from slime_rc.megatron import model as M
+
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    batch = make_global_batch()
+    results = {}
+    for name in names:
+        if name == REFERENCE:
+            for conv, variant in reference_runs():
+                results[(name, conv, variant)] = _run(name, {}, conv, batch, rank, VARIANTS[variant])
+        else:
+            world, kwargs, conventions = LAYOUTS[name][:3]
+            assert world == world_size, (name, world, world_size)
+            for conv in conventions:
+                results[(name, conv)] = _run(name, kwargs, conv, batch, rank,
+                                             VARIANTS[layout_variant(name)])
+        if name in ATTENTION_CHECKS:
+            kwargs = {} if name == REFERENCE else LAYOUTS[name][1]
+            M.initialize_parallel(**kwargs)
+            try:
+                results[("attention", name)] = attention_checks(ATTENTION_CHECKS[name])
+            finally:
+                M.destroy_parallel()
+    results["seconds"] = time.perf_counter() - t0
+    return results
