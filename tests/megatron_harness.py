@@ -19,6 +19,7 @@ with ``logp`` from ``vocab_parallel_log_probs(logits, targets, TEMPERATURE)``.  
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from typing import Dict, List
@@ -31,21 +32,26 @@ LR = 3e-3
 TEMPERATURE = 0.7
 DATA_SEED = 7
 
+# The policy loss of the package (slime_rc.megatron.loss, legacy convention) as two more "conventions":
+# decoupled PPO with the pre-step global-batch correction, and bypass REINFORCE with the in-loss correction.
+POLICY = ("policy_prestep", "policy_bypass")
+PRE, BYP = POLICY
+
 # name -> (world size, initialize_parallel kwargs, conventions run[, TinyGPTConfig overrides])
 LAYOUTS = {
     # 2-process spawn
-    "tp2": (2, dict(tp=2), ("per_token",)),
+    "tp2": (2, dict(tp=2), ("per_token", PRE)),
     "tp2_sp": (2, dict(tp=2, sequence_parallel=True), ("per_token",)),
     "pp2": (2, dict(pp=2), ("per_token",)),
-    "pp2_vpp2": (2, dict(pp=2, vpp=2), ("per_token", "legacy")),
-    "cp2": (2, dict(cp=2), ("per_token", "legacy")),
-    "dp2": (2, dict(), ("per_token", "legacy")),
+    "pp2_vpp2": (2, dict(pp=2, vpp=2), ("per_token", "legacy", PRE)),
+    "cp2": (2, dict(cp=2), ("per_token", "legacy", PRE, BYP)),
+    "dp2": (2, dict(), ("per_token", "legacy", PRE, BYP)),
     "pp2_tied": (2, dict(pp=2), ("per_token",), dict(tie_embeddings=True)),
     # 4-process spawn
-    "tp2_pp2": (4, dict(tp=2, pp=2), ("per_token",)),
-    "cp4": (4, dict(cp=4), ("per_token",)),
-    "dp2_cp2": (4, dict(cp=2), ("per_token", "legacy")),
-    "tp2_cp2": (4, dict(tp=2, cp=2), ("per_token",)),
+    "tp2_pp2": (4, dict(tp=2, pp=2), ("per_token", PRE)),
+    "cp4": (4, dict(cp=4), ("per_token", PRE)),
+    "dp2_cp2": (4, dict(cp=2), ("per_token", "legacy", PRE, BYP)),
+    "tp2_cp2": (4, dict(tp=2, cp=2), ("per_token", BYP)),
     "tp2_cp2_sp": (4, dict(tp=2, cp=2, sequence_parallel=True), ("per_token",)),
     "pp2_vpp2_dp2": (4, dict(pp=2, vpp=2), ("per_token",)),
 }
@@ -119,6 +125,47 @@ def _loss_fns(n_global: int):
     return {"per_token": per_token, "legacy": legacy}
 
 
+def policy_configs():
+    from slime_rc import RolloutCorrectionConfig, parse_rejection_criteria
+    return {
+        PRE: RolloutCorrectionConfig(is_level="token", is_batch_normalize=True, veto_threshold=0.05,
+                                     rs=parse_rejection_criteria("token", 1.8)),
+        BYP: RolloutCorrectionConfig(mode="bypass", loss_type="reinforce", is_level="sequence", is_upper_bound=3.0,
+                                     rs=parse_rejection_criteria("geometric", "0.9_1.1"), loss_agg="token_mean"),
+    }
+
+
+def with_policy_fields(batch: List[dict], seed: int = DATA_SEED + 1) -> List[dict]:
+    """``old_log_probs`` and ``rollout_log_probs`` for every position: near log(1/vocab) (what the tiny untrained
+    model assigns), so that bypass weights pi_theta/pi_rollout are O(1) and the bands reject some tokens."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for mb in batch:
+        n = mb["tokens"].numel()
+        old = -math.log(128) + 0.2 * torch.randn(n, generator=g)
+        out.append(dict(mb, old_log_probs=old, rollout_log_probs=old + 0.25 * torch.randn(n, generator=g)))
+    return out
+
+
+def _policy_step(M, model, optimizer, mbs: List[dict], convention: str, forward_only: bool = False):
+    """One step with the package's policy loss (pre-step or in-loss correction), logging log-probs and metrics."""
+    from slime_rc.megatron.logprobs import vocab_parallel_log_probs
+    from slime_rc.megatron.loss import make_loss_func, prepare_global_batch
+
+    config = policy_configs()[convention]
+    local = M.shard_for_step(model, mbs)
+    prepared = prepare_global_batch(local, config) if convention == PRE else None
+    inner = make_loss_func(config, temperature=TEMPERATURE, prepared=prepared, num_microbatches=len(mbs))
+
+    def loss_fn(logits, lmb):
+        loss, metrics = inner(logits, lmb)
+        logp = vocab_parallel_log_probs(logits.detach(), lmb["targets"], TEMPERATURE)
+        return loss, {"logp": logp, "metrics": {k: float(v) for k, v in metrics.items()
+                                                if k.startswith("rollout_corr/")}}
+
+    return M.train_step(model, optimizer, mbs, loss_fn, forward_only=forward_only, local_micro_batches=local)
+
+
 def _run(name: str, kwargs: dict, convention: str, batch: List[dict], rank: int, overrides: dict) -> dict:
     from megatron.core import parallel_state as ps
 
@@ -129,8 +176,20 @@ def _run(name: str, kwargs: dict, convention: str, batch: List[dict], rank: int,
     try:
         cfg = M.TinyGPTConfig(**overrides)
         model = M.build_model(cfg, calculate_per_token_loss=(convention == "per_token"))
-        optimizer = M.build_optimizer(model, lr=LR)
-        loss_fn = _loss_fns(global_loss_tokens(batch))[convention]
+        # The policy losses run with Adam eps 1e-6: their objective is a small difference of O(1) terms, and with
+        # eps 1e-8 Adam turns fp32 summation-order noise on near-zero gradient coordinates into ~2e-5 parameter
+        # noise (see test_updated_parameters_match), which the next step's loss then shows at ~1e-5.
+        optimizer = M.build_optimizer(model, lr=LR, **(dict(adam_eps=1e-6) if convention in POLICY else {}))
+        if convention in POLICY:
+            batch = with_policy_fields(batch)
+
+            def step(opt, mbs, forward_only=False):
+                return _policy_step(M, model, opt, mbs, convention, forward_only)
+        else:
+            loss_fn = _loss_fns(global_loss_tokens(batch))[convention]
+
+            def step(opt, mbs, forward_only=False):
+                return M.train_step(model, opt, mbs, loss_fn, forward_only=forward_only)
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         per = len(batch) // dp
         my_ids = list(range(dp_rank * per, (dp_rank + 1) * per))
@@ -144,7 +203,7 @@ def _run(name: str, kwargs: dict, convention: str, batch: List[dict], rank: int,
                               sp=layout.sequence_parallel, chunks=len(model)),
                    ranks=dict(tp=ps.get_tensor_model_parallel_rank(), pp=ps.get_pipeline_model_parallel_rank(),
                               cp=ps.get_context_parallel_rank(), dp=dp_rank),
-                   loss=[], grad_norm=[], logp=[], num_tokens=[])
+                   loss=[], grad_norm=[], logp=[], num_tokens=[], metrics=[])
 
         def gathered(result) -> Dict[int, torch.Tensor]:
             if not last:
@@ -153,20 +212,26 @@ def _run(name: str, kwargs: dict, convention: str, batch: List[dict], rank: int,
                      for i, o, lmb in zip(my_ids, result.outputs, result.local_micro_batches)}
             return logps if reporter else {}
 
+        def metrics(result) -> Dict[int, dict]:
+            if not reporter or convention not in POLICY:
+                return {}
+            return {i: o["metrics"] for i, o in zip(my_ids, result.outputs)}
+
         init = M.full_parameters(model)
         for _ in range(N_STEPS):
-            r = M.train_step(model, optimizer, mine, loss_fn)
+            r = step(optimizer, mine)
             out["loss"].append(r.loss)
             out["grad_norm"].append(r.grad_norm)
             out["num_tokens"].append(r.num_tokens)
             out["logp"].append(gathered(r))
+            out["metrics"].append(metrics(r))
         if layout.vpp and len(mine) > layout.pp:  # interleaved PP on gloo refuses M == pp (it would deadlock)
             try:
-                M.train_step(model, optimizer, mine[:layout.pp], loss_fn)
+                step(optimizer, mine[:layout.pp])
                 out["vpp_guard"] = None
             except ValueError as e:
                 out["vpp_guard"] = str(e)
-        r = M.train_step(model, None, mine, loss_fn, forward_only=True)
+        r = step(None, mine, forward_only=True)
         out["fwd_loss"] = r.loss
         out["fwd_logp"] = gathered(r)
         final = M.full_parameters(model)

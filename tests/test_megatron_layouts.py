@@ -203,3 +203,38 @@ def test_updated_parameters_match(reference, layout_runs, name, conv):
 def test_interleaved_pipeline_on_gloo_refuses_as_many_micro_batches_as_stages(layout_runs, name):
     for rank, r in enumerate(layout_runs[(name, "per_token")]):
         assert r["vpp_guard"] is not None and "needs more micro-batches than pp=2" in r["vpp_guard"], (rank, r["vpp_guard"])
+
+
+POLICY_CASES = [(n, c) for n, c in CASES if c.startswith("policy_")]
+
+
+def test_policy_references_correct_and_reject(reference):
+    """The policy-loss references are non-trivial: the correction rejects some tokens and moves the weights."""
+    for conv in ("policy_prestep", "policy_bypass"):
+        ref = reference[(REFERENCE, conv, "base")]
+        m = ref["metrics"][0][0]
+        assert 0 < m["rollout_corr/rollout_rs_masked_fraction"] < 1, (conv, m)
+        assert abs(m["rollout_corr/rollout_is_mean"] - 1.0) > 1e-3, (conv, m)
+        assert all(abs(x) > 1e-3 for x in ref["loss"]) and len(set(ref["loss"])) == N_STEPS, (conv, ref["loss"])
+
+
+@pytest.mark.parametrize("name,conv", POLICY_CASES)
+def test_policy_correction_metrics_match(reference, layout_runs, name, conv):
+    """Correction metrics of every micro-batch equal the 1-process run's: global over the batch in the pre-step
+    path, per micro-batch over the CP group in the in-loss path.  Step 0 (identical weights in every layout) to
+    1e-5; later steps to 1e-4, because they start from weights that already differ by Adam's ~1e-6 noise.  Some
+    metrics are exponentials of sequence sums (chi2_seq = mean exp(2 sum log r) - 1, ~35 at step 0 and ~3e3 later
+    in bypass mode, where log r comes from the model): they turn the layouts' ~2e-7 log-prob differences, summed
+    over ~40 tokens, into ~2e-6 at step 0 and ~1e-5 later."""
+    ref = reference[reference_key(name, conv)]
+    for step in range(N_STEPS):
+        tol = 1e-5 if step == 0 else 1e-4
+        merged = {}
+        for r in layout_runs[(name, conv)]:
+            merged.update(r["metrics"][step])
+        assert sorted(merged) == list(range(N_MICRO_BATCHES)), sorted(merged)
+        for i, want in ref["metrics"][step].items():
+            got = merged[i]
+            assert sorted(got) == sorted(want)
+            for k, v in want.items():
+                assert abs(got[k] - v) <= tol * max(1.0, abs(v)), (name, conv, step, i, k, got[k], v)

@@ -173,8 +173,8 @@ def make_loss_func(config: RolloutCorrectionConfig, *, temperature: float = 1.0,
 
     def loss_fn(logits, micro_batch):
         p = None
-        if prepared is not None:
-            p = prepared[calls["i"] % len(prepared)]
+        if prepared is not None:  # the micro-batch's own index when the trainer gives one, else call order
+            p = prepared[micro_batch.get("micro_batch_index", calls["i"] % len(prepared))]
             calls["i"] += 1
         return policy_loss(logits, micro_batch, config, temperature=temperature, prepared=p, scale=scale,
                            tis_function=tis_function, tis_args=tis_args)

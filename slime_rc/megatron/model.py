@@ -489,8 +489,28 @@ class StepResult:
     update_successful: Optional[bool] = None
 
 
+def shard_for_step(model: List[torch.nn.Module], micro_batches: Sequence[dict]) -> List[dict]:
+    """This rank's micro-batches exactly as :func:`train_step` shards them (CP zigzag, SP padding), each with
+    ``num_micro_batches``, ``dp_size`` and ``micro_batch_index`` -- for work before the step that needs the local
+    tokens (e.g. ``slime_rc.megatron.loss.prepare_global_batch``); pass them back as ``local_micro_batches``."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(model[0])
+    cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+    seq_multiple = cp * ps.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1
+    out = []
+    for i, mb in enumerate(micro_batches):
+        lmb = shard_micro_batch(mb, cp, cp_rank, seq_multiple=seq_multiple)
+        lmb["num_micro_batches"], lmb["dp_size"] = len(micro_batches), ps.get_data_parallel_world_size()
+        lmb["micro_batch_index"] = i
+        out.append(lmb)
+    return out
+
+
 def train_step(model: List[torch.nn.Module], optimizer, micro_batches: Sequence[dict],
-               loss_fn: Callable[[torch.Tensor, dict], tuple], *, forward_only: bool = False) -> StepResult:
+               loss_fn: Callable[[torch.Tensor, dict], tuple], *, forward_only: bool = False,
+               local_micro_batches: Optional[Sequence[dict]] = None) -> StepResult:
     """One optimizer step (or, ``forward_only``, a pass without backward/step; ``optimizer`` may then be None) over
     this DP rank's packed micro-batches (full sequences; sharded here for CP with :func:`shard_micro_batch`) with
     megatron's ``get_forward_backward_func()`` (no-pipelining / 1F1B / interleaved, variable sequence lengths,
@@ -521,12 +541,7 @@ def train_step(model: List[torch.nn.Module], optimizer, micro_batches: Sequence[
         # deadlocks -- gloo's wait() on a send blocks the host until the peer posts the matching receive.
         raise ValueError(f"interleaved pipeline on gloo needs more micro-batches than pp={pp} per DP rank "
                          f"(got {n_mb}); use a multiple of pp >= 2 * pp")
-    seq_multiple = cp * tp if config.sequence_parallel else 1
-    local_mbs = []
-    for mb in micro_batches:
-        lmb = shard_micro_batch(mb, cp, cp_rank, seq_multiple=seq_multiple)
-        lmb["num_micro_batches"], lmb["dp_size"] = n_mb, dp
-        local_mbs.append(lmb)
+    local_mbs = list(local_micro_batches) if local_micro_batches is not None else shard_for_step(model, micro_batches)
 
     records: List[tuple] = []
 
