@@ -34,23 +34,23 @@ DATA_SEED = 7
 
 # The policy loss of the package (slime_rc.megatron.loss, legacy convention) as two more "conventions":
 # decoupled PPO with the pre-step global-batch correction, and bypass REINFORCE with the in-loss correction.
-POLICY = ("policy_prestep", "policy_bypass")
-PRE, BYP = POLICY
+POLICY = ("policy_prestep", "policy_bypass", "policy_tis_function")
+PRE, BYP, TISFN = POLICY
 
 # name -> (world size, initialize_parallel kwargs, conventions run[, TinyGPTConfig overrides])
 LAYOUTS = {
     # 2-process spawn
     "tp2": (2, dict(tp=2), ("per_token", PRE)),
-    "tp2_sp": (2, dict(tp=2, sequence_parallel=True), ("per_token",)),
-    "pp2": (2, dict(pp=2), ("per_token",)),
+    "tp2_sp": (2, dict(tp=2, sequence_parallel=True), ("per_token", PRE)),
+    "pp2": (2, dict(pp=2), ("per_token", PRE)),
     "pp2_vpp2": (2, dict(pp=2, vpp=2), ("per_token", "legacy", PRE)),
-    "cp2": (2, dict(cp=2), ("per_token", "legacy", PRE, BYP)),
+    "cp2": (2, dict(cp=2), ("per_token", "legacy", PRE, BYP, TISFN)),
     "dp2": (2, dict(), ("per_token", "legacy", PRE, BYP)),
     "pp2_tied": (2, dict(pp=2), ("per_token",), dict(tie_embeddings=True)),
     # 4-process spawn
     "tp2_pp2": (4, dict(tp=2, pp=2), ("per_token", PRE)),
     "cp4": (4, dict(cp=4), ("per_token", PRE)),
-    "dp2_cp2": (4, dict(cp=2), ("per_token", "legacy", PRE, BYP)),
+    "dp2_cp2": (4, dict(cp=2), ("per_token", "legacy", PRE, BYP, TISFN)),
     "tp2_cp2": (4, dict(tp=2, cp=2), ("per_token", BYP)),
     "tp2_cp2_sp": (4, dict(tp=2, cp=2, sequence_parallel=True), ("per_token",)),
     "pp2_vpp2_dp2": (4, dict(pp=2, vpp=2), ("per_token",)),
@@ -132,6 +132,9 @@ def policy_configs():
                                      rs=parse_rejection_criteria("token", 1.8)),
         BYP: RolloutCorrectionConfig(mode="bypass", loss_type="reinforce", is_level="sequence", is_upper_bound=3.0,
                                      rs=parse_rejection_criteria("geometric", "0.9_1.1"), loss_agg="token_mean"),
+        # the same correction as PRE but in the loss, through slime's TIS-function contract (custom_tis.mis)
+        TISFN: RolloutCorrectionConfig(is_level="token", veto_threshold=0.05,
+                                       rs=parse_rejection_criteria("token", 1.8)),
     }
 
 
@@ -153,9 +156,17 @@ def _policy_step(M, model, optimizer, mbs: List[dict], convention: str, forward_
     from slime_rc.megatron.loss import make_loss_func, prepare_global_batch
 
     config = policy_configs()[convention]
+    tis = {}
+    if convention == TISFN:
+        import types
+
+        from slime_rc.megatron.loss import with_sample_fields
+        from slime_rc.plugins import load_function
+        mbs = [with_sample_fields(mb) for mb in mbs]
+        tis = dict(tis_function=load_function("mis"), tis_args=types.SimpleNamespace(rollout_correction_config=config))
     local = M.shard_for_step(model, mbs)
     prepared = prepare_global_batch(local, config) if convention == PRE else None
-    inner = make_loss_func(config, temperature=TEMPERATURE, prepared=prepared, num_microbatches=len(mbs))
+    inner = make_loss_func(config, temperature=TEMPERATURE, prepared=prepared, num_microbatches=len(mbs), **tis)
 
     def loss_fn(logits, lmb):
         loss, metrics = inner(logits, lmb)

@@ -301,6 +301,7 @@ def test_megatron_policy_loss_with_a_slime_tis_function_equals_the_builtin_engin
     builtin, m2 = policy_loss(lp2, mb, cfg, reducer=LocalReducer())
     builtin.backward()
     assert float(m2["rollout_corr/rollout_rs_masked_fraction"]) > 0  # the case rejects something
+    assert any(k.startswith("rollout_corr/tis_function/") for k in m1) and not set(m1) & set(m2) - {"pg_loss", "pg_clipfrac", "ppo_kl"}
     assert float(custom) == pytest.approx(float(builtin), rel=1e-6)
     torch.testing.assert_close(lp.grad, lp2.grad, rtol=1e-6, atol=1e-9)
     with pytest.raises(ValueError, match="with_sample_fields"):

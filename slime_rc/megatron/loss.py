@@ -102,7 +102,8 @@ def tis_function_correction(tis_function: Callable, args, micro_batch: Dict[str,
     (``fn(args, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths)``,
     see :mod:`slime_rc.plugins`).  It is called with ``pg_loss = 1``, so the ``pg_loss * weights`` it returns is the
     weights.  ``micro_batch``: this rank's tokens with ``position_ids`` (position in its sequence) and the fields of
-    :func:`with_sample_fields`."""
+    :func:`with_sample_fields`.  The function's own metrics come back as ``tis_function/<name>``: this rank's token
+    means (the function defines what they mean; they are not global like the engine's metrics)."""
     missing = [k for k in ("position_ids", "sample_lengths", "sample_loss_masks") if k not in micro_batch]
     if missing:
         raise ValueError(f"a custom TIS function needs {', '.join(missing)} in the micro-batch: run "
@@ -124,9 +125,12 @@ def tis_function_correction(tis_function: Callable, args, micro_batch: Dict[str,
     weights = torch.zeros(n).index_copy(0, idx, pg.detach().reshape(-1).float())
     kept = torch.cat(list(masks)).float() if len(masks) else torch.zeros(0)
     keep = torch.zeros(n).index_copy(0, idx, kept) * micro_batch["loss_mask"].float()
+    # The function's metrics are per-token values in slime's format; their meaning is the function's.  They are
+    # reported as this rank's token means under their own prefix, never under the engine's global metric names.
     flat = {k: (torch.cat(list(v)) if isinstance(v, (list, tuple)) else v) for k, v in metrics.items()}
     return CorrectionResult(is_weights=weights * keep, keep_mask=keep,
-                            metrics={k: v.float().mean() if v.numel() else torch.zeros(()) for k, v in flat.items()})
+                            metrics={f"tis_function/{k}": v.float().mean() if v.numel() else torch.zeros(())
+                                     for k, v in flat.items()})
 
 
 def policy_loss(logits: torch.Tensor, micro_batch: Dict[str, torch.Tensor], config: RolloutCorrectionConfig, *,
