@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import difflib
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Optional, Sequence, Union
 
 IS_LEVELS = ("token", "sequence", "geometric")

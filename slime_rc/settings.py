@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Tuple
 
 from .config import RejectionCriterion, RolloutCorrectionConfig, parse_rejection_criteria, split_threshold
 from .presets import PRESETS

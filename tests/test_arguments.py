@@ -6,7 +6,6 @@ modes (standard / decoupled / bypass, ppo_clip / reinforce), dead-setting checks
 """
 
 import argparse
-import math
 import os
 import warnings
 

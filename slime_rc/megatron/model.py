@@ -123,9 +123,10 @@ def initialize_parallel(tp: int = 1, pp: int = 1, cp: int = 1, vpp: Optional[int
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised")
     if sequence_parallel and tp == 1:
-        raise ValueError("sequence_parallel needs tp > 1")
+        raise ValueError("sequence_parallel=True needs tp > 1 (sequence parallelism splits activations over the "
+                         "tensor-parallel group); raise tp or drop sequence_parallel")
     if vpp is not None and vpp > 1 and pp == 1:
-        raise ValueError("virtual pipeline needs pp > 1")
+        raise ValueError(f"vpp={vpp} (virtual pipeline) needs pp > 1; raise pp or drop vpp")
     vpp = vpp if vpp and vpp > 1 else None
     apply_cpu_patches()
     if ps.model_parallel_is_initialized():
@@ -528,12 +529,10 @@ def train_step(model: List[torch.nn.Module], optimizer, micro_batches: Sequence[
     current_layout()  # initialize_parallel() first
     config = get_model_config(model[0])
     per_token = bool(config.calculate_per_token_loss)
-    cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
-    tp = ps.get_tensor_model_parallel_world_size()
-    dp = ps.get_data_parallel_world_size()
+    cp = ps.get_context_parallel_world_size()
     n_mb = len(micro_batches)
     if n_mb == 0:
-        raise ValueError("no micro-batches")
+        raise ValueError("train_step: micro_batches is empty; give this DP rank at least one packed micro-batch")
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
     if vpp and vpp > 1 and not forward_only and dist.get_backend() == "gloo" and n_mb <= pp:
