@@ -1,5 +1,7 @@
 """The ``slime-rc`` command.
 
+``slime-rc train [flags...]`` runs the main job (:mod:`slime_rc.train.launch`).
+
 ``slime-rc config [launch flags...] [--json]`` prints the resolved rollout-correction configuration: the operating
 mode and every IS/RS setting with where it came from (flag / YAML / preset / default).  Paste a whole launch line:
 flags that are not rollout-correction flags are listed as ignored.
@@ -72,6 +74,8 @@ def _config_command(args: argparse.Namespace, ignored: List[str]) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="slime-rc", description="Rollout correction for RL on Megatron + SGLang.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands.add_parser("train", help="run GRPO training with rollout correction (see slime-rc train --help)",
+                        add_help=False)
     config = commands.add_parser("config", help="print the resolved rollout-correction configuration",
                                  description=__doc__.split("\n\n")[1], allow_abbrev=False)
     add_rollout_correction_arguments(config)
@@ -80,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["train"]:
+        from .train.launch import main as train_main
+        return train_main(argv[1:])
     parser = build_parser()
     args, ignored = parser.parse_known_args(argv)
     try:

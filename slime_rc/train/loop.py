@@ -1,0 +1,211 @@
+"""The GRPO training loop of ``slime-rc train``: rollout -> reward -> (recompute pi_old) -> correction-aware group
+advantages -> one optimizer step with the rollout-correction loss, on a real megatron-core GPT under any layout.
+
+Runs in every rank of an initialised process group (:func:`run_training`).  Per step:
+
+1. weight sync: ``full_parameters(model)`` -> the rollout engine (``slime_rc.rollout``; separate from the trainer,
+   with its own precision / staleness / noise knobs).  Every rank runs the same deterministic engine, so every rank
+   holds the same samples without a broadcast;
+2. ``prompts_per_step`` prompts x ``group_size`` samples, rewards from the task (``slime_rc.train.task``);
+3. packed micro-batches (``micro_batches`` of the global batch, contiguous blocks per DP rank): each sample is one
+   sequence prompt + response; loss on the positions that predict response tokens, rollout log-probs there;
+4. standard / decoupled mode: a forward-only pass recomputes log pi_old of the global batch;
+5. advantages (``group_advantages``) over the samples the correction keeps: in decoupled mode the correction of the
+   global batch is known before the step, so a rejected sample never feeds its group's baseline.  In bypass mode
+   rejection depends on pi_theta and is decided inside the loss: the baselines use every sample (documented);
+6. one step: decoupled mode with the pre-step global correction (``prepare_global_batch``), bypass mode with the
+   in-loss correction (``slime_rc.megatron.loss``).
+
+Per-step metrics (equal on every rank): ``step``, ``loss``, ``grad_norm``, ``reward_mean``, ``reward_std``,
+``exact_fraction``, ``response_length``, ``rollout_corr/...`` (the mean over micro-batches of the correction
+metrics; global-batch values in decoupled mode), ``time/rollout``, ``time/train``, ``time/step`` (seconds).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..config import RolloutCorrectionConfig
+from ..correction import compute_rollout_correction
+from ..packed import cu_seqlens_from_lengths
+from .advantages import group_advantages
+from .task import EOS, MIN_VOCAB, make_prompts, rewards
+
+
+@dataclass
+class TrainSettings:
+    """What ``slime-rc train`` runs (the embedded default: a tiny model learning to copy 3 digits, ~1 minute on
+    2 CPU cores; measured: mean reward 0.06 -> ~0.7 in 150 steps)."""
+
+    task: str = "copy"
+    digits: int = 3
+    prompts_per_step: int = 32
+    group_size: int = 8
+    num_steps: int = 150
+    seed: int = 0
+    lr: float = 3e-3
+    micro_batches: int = 4  # of the global batch
+    temperature: float = 1.0
+    top_p: float = 1.0
+    rollout_dtype: str = "bf16"  # the classic mismatch: bf16 rollouts, fp32 trainer
+    stale_steps: int = 0
+    logit_noise: float = 0.0
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    vpp: Optional[int] = None
+    sequence_parallel: bool = False
+    vocab_size: int = 16
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_attention_heads: int = 4
+
+    def model_config(self):
+        from ..megatron.model import TinyGPTConfig
+        if self.vocab_size < MIN_VOCAB:
+            raise ValueError(f"vocab_size={self.vocab_size} is below the task's {MIN_VOCAB} tokens")
+        return TinyGPTConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_layers=self.num_layers,
+                             num_attention_heads=self.num_attention_heads, ffn_hidden_size=4 * self.hidden_size,
+                             max_seq_len=4 * (self.digits + 2) + 8, seed=1234 + self.seed)
+
+
+def pack_micro_batches(samples: List[dict], advantages: torch.Tensor, n_micro: int) -> List[dict]:
+    """Samples -> ``n_micro`` packed micro-batches (contiguous blocks).  Position ``k`` of a sequence predicts token
+    ``k + 1``: the response token ``j`` (at ``P + j``) is predicted at ``P - 1 + j``."""
+    if len(samples) % n_micro:
+        raise ValueError(f"{len(samples)} samples do not split into micro_batches={n_micro}")
+    per = len(samples) // n_micro
+    out = []
+    for b in range(n_micro):
+        block = range(b * per, (b + 1) * per)
+        toks, mask, rlp, adv, lengths = [], [], [], [], []
+        for i in block:
+            p, r = samples[i]["prompt"], samples[i]["response"]
+            n = p.numel() + r.numel()
+            m, lp = torch.zeros(n), torch.zeros(n)
+            m[p.numel() - 1:n - 1] = 1.0
+            lp[p.numel() - 1:n - 1] = samples[i]["rollout_log_probs"]
+            toks.append(torch.cat([p, r]))
+            mask.append(m)
+            rlp.append(lp)
+            adv.append(torch.full((n,), float(advantages[i])))
+            lengths.append(n)
+        out.append(dict(tokens=torch.cat(toks), cu_seqlens=cu_seqlens_from_lengths(lengths),
+                        loss_mask=torch.cat(mask), rollout_log_probs=torch.cat(rlp), advantages=torch.cat(adv),
+                        sample_index=list(block)))
+    return out
+
+
+def _gather_from_reporters(local: dict) -> dict:
+    """Merge per-rank dicts (non-empty only on the ranks that report) into one, on every rank."""
+    parts: List[Optional[dict]] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, local)
+    merged = {}
+    for p in parts:
+        merged.update(p or {})
+    return merged
+
+
+def _is_reporter() -> bool:
+    from megatron.core import parallel_state as ps
+    return (ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_context_parallel_rank() == 0)
+
+
+def run_training(settings: TrainSettings, config: RolloutCorrectionConfig,
+                 on_step: Callable[[dict], None] = lambda m: None) -> List[dict]:
+    """Train ``settings.num_steps`` steps in this (initialised) process group; returns the per-step metrics."""
+    from megatron.core import parallel_state as ps
+
+    from ..megatron import model as M
+    from ..megatron.logprobs import vocab_parallel_log_probs
+    from ..megatron.loss import make_loss_func, prepare_global_batch
+    from ..rollout.engine import RolloutEngine
+
+    s = settings
+    M.initialize_parallel(s.tp, s.pp, s.cp, s.vpp, s.sequence_parallel, seed=1234 + s.seed)
+    try:
+        cfg = s.model_config()
+        model = M.build_model(cfg, calculate_per_token_loss=False)
+        optimizer = M.build_optimizer(model, lr=s.lr)
+        engine = RolloutEngine(cfg, dtype=s.rollout_dtype, stale_steps=s.stale_steps, logit_noise=s.logit_noise,
+                               noise_seed=s.seed + 1, temperature=s.temperature, top_p=s.top_p, seed=s.seed)
+        prompt_gen = torch.Generator().manual_seed(s.seed)
+        history = []
+        for step in range(s.num_steps):
+            t0 = time.perf_counter()
+            engine.load_weights(M.full_parameters(model))
+            prompts = [p for p in make_prompts(s.task, s.prompts_per_step, s.digits, prompt_gen)
+                       for _ in range(s.group_size)]
+            samples = engine.generate(prompts, max_new_tokens=s.digits + 1, stop_token=EOS)
+            r = rewards(s.task, prompts, [x["response"] for x in samples])
+            t_rollout = time.perf_counter() - t0
+
+            batch = pack_micro_batches(samples, torch.zeros(len(samples)), s.micro_batches)
+            kept = torch.ones(len(samples), dtype=torch.bool)
+            if config.mode != "bypass":  # recompute log pi_old of the global batch
+                def record(logits, lmb):
+                    logp = vocab_parallel_log_probs(logits, lmb["targets"], s.temperature)
+                    return logp.sum() * 0.0, {"logp": logp.detach()}
+                mine = M.data_parallel_slice(batch)
+                fwd = M.train_step(model, None, mine, record, forward_only=True)
+                local = {}
+                if ps.is_pipeline_last_stage(ignore_virtual=True):
+                    for mb, o, lmb in zip(mine, fwd.outputs, fwd.local_micro_batches):
+                        full = M.gather_to_global(o["logp"], lmb)
+                        if _is_reporter():
+                            local[mb["sample_index"][0]] = full
+                old = _gather_from_reporters(local)
+                for mb in batch:
+                    mb["old_log_probs"] = old[mb["sample_index"][0]]
+                if config.corrects:  # which samples the correction keeps, for the group baselines
+                    cat = (lambda k: torch.cat([mb[k] for mb in batch]))
+                    lengths = [int(n) for mb in batch for n in (mb["cu_seqlens"][1:] - mb["cu_seqlens"][:-1])]
+                    corr = compute_rollout_correction(cat("old_log_probs"), cat("rollout_log_probs"),
+                                                      cat("loss_mask"), cu_seqlens_from_lengths(lengths), config)
+                    kept = corr.sequences["kept"] > 0
+            adv = group_advantages(r, s.group_size, kept)
+            for mb in batch:
+                cu = mb["cu_seqlens"]
+                mb["advantages"] = torch.repeat_interleave(adv[mb["sample_index"]], cu[1:] - cu[:-1])
+
+            t1 = time.perf_counter()
+            mine = M.data_parallel_slice(batch)
+            local_mbs = M.shard_for_step(model, mine)
+            prepared = prepare_global_batch(local_mbs, config) if config.mode == "decoupled" else None
+            loss_fn = make_loss_func(config, temperature=s.temperature, prepared=prepared,
+                                     num_microbatches=len(mine))
+            result = M.train_step(model, optimizer, mine, loss_fn, local_micro_batches=local_mbs)
+            per_mb = {}
+            if _is_reporter():
+                per_mb = {mb["sample_index"][0]: {k: float(v) for k, v in o.items() if k.startswith("rollout_corr/")}
+                          for mb, o in zip(mine, result.outputs)}
+            per_mb = _gather_from_reporters(per_mb)
+            t_train = time.perf_counter() - t1
+
+            exact = sum(float(x) >= 1.5 for x in r) / len(samples)
+            metrics = {"step": step, "loss": result.loss, "grad_norm": result.grad_norm,
+                       "reward_mean": float(r.mean()), "reward_std": float(r.std(unbiased=False)),
+                       "exact_fraction": exact,
+                       "response_length": sum(x["response"].numel() for x in samples) / len(samples),
+                       "kept_fraction": float(kept.float().mean())}
+            names = sorted({k for m in per_mb.values() for k in m})
+            for k in names:
+                vals = [m[k] for m in per_mb.values() if k in m]
+                metrics[k] = sum(vals) / len(vals)
+            metrics.update({"time/rollout": t_rollout, "time/train": t_train,
+                            "time/step": time.perf_counter() - t0})
+            history.append(metrics)
+            on_step(metrics)
+        return history
+    finally:
+        M.destroy_parallel()
+
+
+def settings_dict(settings: TrainSettings) -> dict:
+    return asdict(settings)
