@@ -10,7 +10,8 @@ setup(
     entry_points={"console_scripts": ["slime-rc=slime_rc.cli:main"]},
     install_requires=["torch==2.13.0", "megatron-core==0.16.1", "pyyaml"],
     extras_require={
-        "test": ["pytest", "hypothesis"],
+        "test": ["pytest", "hypothesis", "matplotlib"],
+        "plot": ["matplotlib"],
         "gpu": ["transformer-engine", "apex", "sglang"],
     },
 )

@@ -1,6 +1,7 @@
 """The ``slime-rc`` command.
 
-``slime-rc train [flags...]`` runs the main job (:mod:`slime_rc.train.launch`).
+``slime-rc train [flags...]`` runs the main job (:mod:`slime_rc.train.launch`); ``slime-rc plot RUN_DIR... -o
+FILE.png`` draws its curves (:mod:`slime_rc.train.plot`).
 
 ``slime-rc config [launch flags...] [--json]`` prints the resolved rollout-correction configuration: the operating
 mode and every IS/RS setting with where it came from (flag / YAML / preset / default).  Paste a whole launch line:
@@ -76,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands.add_parser("train", help="run GRPO training with rollout correction (see slime-rc train --help)",
                         add_help=False)
+    commands.add_parser("plot", help="plot metrics.jsonl of runs (see slime-rc plot --help)", add_help=False)
     config = commands.add_parser("config", help="print the resolved rollout-correction configuration",
                                  description=__doc__.split("\n\n")[1], allow_abbrev=False)
     add_rollout_correction_arguments(config)
@@ -88,6 +90,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if argv[:1] == ["train"]:
         from .train.launch import main as train_main
         return train_main(argv[1:])
+    if argv[:1] == ["plot"]:
+        from .train.plot import main as plot_main
+        return plot_main(argv[1:])
     parser = build_parser()
     args, ignored = parser.parse_known_args(argv)
     try:

@@ -106,3 +106,53 @@ def test_slime_rc_train_refuses_a_bad_launch_line():
     proc = subprocess.run([sys.executable, "-m", "slime_rc", "train", "--tis-level", "sequence"],
                           capture_output=True, text=True, cwd=root, timeout=120)
     assert proc.returncode == 2 and "--use-tis" in proc.stderr
+
+
+def test_plot_and_study_summary_read_runs(tmp_path):
+    import json
+
+    from slime_rc.cli import main
+    from slime_rc.train.study import summarize
+    for cfg, base in (("a", 0.1), ("b", 0.5)):
+        for seed in (0, 1):
+            d = tmp_path / cfg / f"seed{seed}"
+            d.mkdir(parents=True)
+            rows = [{"step": i, "reward_mean": base + 0.01 * i + 0.1 * seed, "grad_norm": 1.0 + i,
+                     "loss": 0.0, "rollout_corr/k3_kl": 1e-3, "rollout_corr/kl": 2e-3,
+                     "rollout_corr/rollout_rs_masked_fraction": 0.25, "time/step": 0.5} for i in range(12)]
+            (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    out = tmp_path / "curves.png"
+    assert main(["plot", str(tmp_path / "a" / "seed0"), str(tmp_path / "b" / "seed0"), "-o", str(out)]) == 0
+    assert out.stat().st_size > 10_000 and out.read_bytes()[:4] == b"\x89PNG"
+    table = summarize(str(tmp_path))
+    row_a = next(line for line in table.splitlines() if line.startswith("| a |"))
+    # last 10 steps of seed 0: 0.1 + 0.01 * (2..11) -> mean 0.165; seed 1: 0.265 -> 0.215 ± 0.071
+    assert "0.215 ± 0.071" in row_a and "| 12.00 |" in row_a and "0.250" in row_a
+    (tmp_path / "bad").mkdir()
+    assert main(["plot", str(tmp_path / "bad"), "-o", str(out)]) == 2
+
+
+def test_train_with_an_sglang_server(tmp_path):
+    """``--rollout-engine sglang``: rollouts and their log-probs come from a server's /generate (a stub here)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from .test_rollout_engine import _Stub
+    answer = [{"output_ids": [1, 2, 3, 11],
+               "meta_info": {"output_token_logprobs": [[-2.7, t, None] for t in (1, 2, 3, 11)]}}] * 4
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with _Stub(canned=answer) as stub:
+        proc = subprocess.run([sys.executable, "-m", "slime_rc", "train", "--num-steps", "2", "--prompts-per-step",
+                               "2", "--group-size", "2", "--rollout-engine", "sglang", "--sglang-url", stub.url,
+                               "--get-mismatch-metrics", "--output-dir", str(tmp_path)],
+                              capture_output=True, text=True, cwd=root, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(stub.requests) == 2 and all(body["return_logprob"] for _, body in stub.requests)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    # the trainer's log-probs of the server's tokens vs the server's -2.7: a mismatch the metrics see
+    assert len(rows) == 2 and rows[0]["rollout_corr/rollout_log_ppl"] == __import__("pytest").approx(2.7, rel=1e-5)
+    bad = subprocess.run([sys.executable, "-m", "slime_rc", "train", "--rollout-engine", "sglang"],
+                         capture_output=True, text=True, cwd=root, timeout=120)
+    assert bad.returncode == 2 and "--sglang-url" in bad.stderr

@@ -29,7 +29,8 @@ _FLAGS = {"--tensor-model-parallel-size": "tp", "--pipeline-model-parallel-size"
           "--task": "task", "--digits": "digits", "--prompts-per-step": "prompts_per_step",
           "--group-size": "group_size", "--micro-batches": "micro_batches", "--rollout-temperature": "temperature",
           "--top-p": "top_p", "--rollout-dtype": "rollout_dtype", "--stale-steps": "stale_steps",
-          "--logit-noise": "logit_noise", "--hidden-size": "hidden_size", "--num-layers": "num_layers"}
+          "--logit-noise": "logit_noise", "--hidden-size": "hidden_size", "--num-layers": "num_layers",
+          "--rollout-engine": "rollout_engine", "--sglang-url": "sglang_url"}
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -42,6 +43,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
             g.add_argument(flag, dest=name, action="store_true")
         elif name == "vpp":
             g.add_argument(flag, dest=name, type=int, default=None)
+        elif name == "sglang_url":
+            g.add_argument(flag, dest=name, default=None, help="SGLang server for --rollout-engine sglang")
+        elif name == "rollout_engine":
+            g.add_argument(flag, dest=name, choices=("torch", "sglang"), default=default)
         else:
             kind = {"int": int, "float": float, "str": str}[str(types[name])]
             g.add_argument(flag, dest=name, type=kind, default=default, help=f"default {default}")
@@ -128,6 +133,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         resolve_args(args)  # refuse a bad configuration before starting anything
+        if args.rollout_engine == "sglang" and not args.sglang_url:
+            raise ValueError("--rollout-engine sglang needs --sglang-url http://host:port")
     except ValueError as e:
         print(f"slime-rc train: error: {e}", file=sys.stderr)
         return 2

@@ -60,6 +60,8 @@ class TrainSettings:
     cp: int = 1
     vpp: Optional[int] = None
     sequence_parallel: bool = False
+    rollout_engine: str = "torch"  # or "sglang": a running server at sglang_url (it serves its own weights)
+    sglang_url: Optional[str] = None
     vocab_size: int = 16
     hidden_size: int = 64
     num_layers: int = 2
@@ -72,6 +74,20 @@ class TrainSettings:
         return TinyGPTConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_layers=self.num_layers,
                              num_attention_heads=self.num_attention_heads, ffn_hidden_size=4 * self.hidden_size,
                              max_seq_len=4 * (self.digits + 2) + 8, seed=1234 + self.seed)
+
+
+def make_engine(s: TrainSettings, cfg):
+    """The rollout engine: the in-process one with its mismatch knobs, or an SGLang server's ``/generate``."""
+    if s.rollout_engine == "sglang":
+        from ..rollout.sglang import SGLangEngine
+        if not s.sglang_url:
+            raise ValueError("--rollout-engine sglang needs --sglang-url http://host:port")
+        return SGLangEngine(s.sglang_url, temperature=s.temperature, top_p=s.top_p)
+    if s.rollout_engine != "torch":
+        raise ValueError(f"--rollout-engine {s.rollout_engine!r}: use torch (in-process) or sglang")
+    from ..rollout.engine import RolloutEngine
+    return RolloutEngine(cfg, dtype=s.rollout_dtype, stale_steps=s.stale_steps, logit_noise=s.logit_noise,
+                         noise_seed=s.seed + 1, temperature=s.temperature, top_p=s.top_p, seed=s.seed)
 
 
 def pack_micro_batches(samples: List[dict], advantages: torch.Tensor, n_micro: int) -> List[dict]:
@@ -125,21 +141,20 @@ def run_training(settings: TrainSettings, config: RolloutCorrectionConfig,
     from ..megatron import model as M
     from ..megatron.logprobs import vocab_parallel_log_probs
     from ..megatron.loss import make_loss_func, prepare_global_batch
-    from ..rollout.engine import RolloutEngine
-
     s = settings
     M.initialize_parallel(s.tp, s.pp, s.cp, s.vpp, s.sequence_parallel, seed=1234 + s.seed)
     try:
         cfg = s.model_config()
         model = M.build_model(cfg, calculate_per_token_loss=False)
         optimizer = M.build_optimizer(model, lr=s.lr)
-        engine = RolloutEngine(cfg, dtype=s.rollout_dtype, stale_steps=s.stale_steps, logit_noise=s.logit_noise,
-                               noise_seed=s.seed + 1, temperature=s.temperature, top_p=s.top_p, seed=s.seed)
+        engine = make_engine(s, cfg)
         prompt_gen = torch.Generator().manual_seed(s.seed)
         history = []
         for step in range(s.num_steps):
             t0 = time.perf_counter()
-            engine.load_weights(M.full_parameters(model))
+            state = M.full_parameters(model)  # collective: every rank
+            if hasattr(engine, "load_weights"):  # an SGLang server's weights are updated by the user's own path
+                engine.load_weights(state)
             prompts = [p for p in make_prompts(s.task, s.prompts_per_step, s.digits, prompt_gen)
                        for _ in range(s.group_size)]
             samples = engine.generate(prompts, max_new_tokens=s.digits + 1, stop_token=EOS)
