@@ -39,12 +39,13 @@ def plot_runs(run_dirs: List[str], output: str) -> Dict[str, List[dict]]:
 
     runs = {d.rstrip("/"): read_run(d) for d in run_dirs}
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    color = {name: f"C{i % 10}" for i, name in enumerate(runs)}  # one colour per run in every panel
     for ax, (key, title) in zip(axes.flat, PANELS):
         for name, rows in runs.items():
             xs = [r["step"] for r in rows if r.get(key) is not None]
             ys = [r[key] for r in rows if r.get(key) is not None]
             if xs:
-                ax.plot(xs, ys, label=os.path.relpath(name), linewidth=1.2)
+                ax.plot(xs, ys, label=os.path.relpath(name), linewidth=1.2, color=color[name])
         ax.set_title(title)
         ax.set_xlabel("step")
         if key == "rollout_corr/k3_kl":
