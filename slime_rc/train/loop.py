@@ -10,9 +10,10 @@ Runs in every rank of an initialised process group (:func:`run_training`).  Per 
 3. packed micro-batches (``micro_batches`` of the global batch, contiguous blocks per DP rank): each sample is one
    sequence prompt + response; loss on the positions that predict response tokens, rollout log-probs there;
 4. standard / decoupled mode: a forward-only pass recomputes log pi_old of the global batch;
-5. advantages (``group_advantages``) over the samples the correction keeps: in decoupled mode the correction of the
-   global batch is known before the step, so a rejected sample never feeds its group's baseline.  In bypass mode
-   rejection depends on pi_theta and is decided inside the loss: the baselines use every sample (documented);
+5. advantages (``group_advantages``) over the samples the correction keeps, so a rejected sample never feeds its
+   group's baseline: in decoupled mode from the recomputed pi_old; in bypass mode with rejection (RS, veto, mask
+   mode) from a forward-only pass at the step's starting weights (= the pi_theta the loss sees; bypass without
+   rejection skips that pass);
 6. one step: decoupled mode with the pre-step global correction (``prepare_global_batch``), bypass mode with the
    in-loss correction (``slime_rc.megatron.loss``).
 
@@ -133,14 +134,32 @@ def _is_reporter() -> bool:
             and ps.get_context_parallel_rank() == 0)
 
 
+def self_log_probs(M, model, batch: List[dict], temperature: float, log_probs_fn) -> dict:
+    """A forward-only pass: the model's log-probs of every target of the global batch, ``{first sample index of a
+    micro-batch: [T] in its packed order}``, on every rank."""
+    from megatron.core import parallel_state as ps
+
+    def record(logits, lmb):
+        logp = log_probs_fn(logits, lmb["targets"], temperature)
+        return logp.sum() * 0.0, {"logp": logp.detach()}
+    mine = M.data_parallel_slice(batch)
+    fwd = M.train_step(model, None, mine, record, forward_only=True)
+    local = {}
+    if ps.is_pipeline_last_stage(ignore_virtual=True):
+        for mb, o, lmb in zip(mine, fwd.outputs, fwd.local_micro_batches):
+            full = M.gather_to_global(o["logp"], lmb)
+            if _is_reporter():
+                local[mb["sample_index"][0]] = full
+    return _gather_from_reporters(local)
+
+
 def run_training(settings: TrainSettings, config: RolloutCorrectionConfig,
                  on_step: Callable[[dict], None] = lambda m: None) -> List[dict]:
     """Train ``settings.num_steps`` steps in this (initialised) process group; returns the per-step metrics."""
-    from megatron.core import parallel_state as ps
-
     from ..megatron import model as M
     from ..megatron.logprobs import vocab_parallel_log_probs
     from ..megatron.loss import make_loss_func, prepare_global_batch
+
     s = settings
     M.initialize_parallel(s.tp, s.pp, s.cp, s.vpp, s.sequence_parallel, seed=1234 + s.seed)
     try:
@@ -163,27 +182,23 @@ def run_training(settings: TrainSettings, config: RolloutCorrectionConfig,
 
             batch = pack_micro_batches(samples, torch.zeros(len(samples)), s.micro_batches)
             kept = torch.ones(len(samples), dtype=torch.bool)
-            if config.mode != "bypass":  # recompute log pi_old of the global batch
-                def record(logits, lmb):
-                    logp = vocab_parallel_log_probs(logits, lmb["targets"], s.temperature)
-                    return logp.sum() * 0.0, {"logp": logp.detach()}
-                mine = M.data_parallel_slice(batch)
-                fwd = M.train_step(model, None, mine, record, forward_only=True)
-                local = {}
-                if ps.is_pipeline_last_stage(ignore_virtual=True):
-                    for mb, o, lmb in zip(mine, fwd.outputs, fwd.local_micro_batches):
-                        full = M.gather_to_global(o["logp"], lmb)
-                        if _is_reporter():
-                            local[mb["sample_index"][0]] = full
-                old = _gather_from_reporters(local)
-                for mb in batch:
-                    mb["old_log_probs"] = old[mb["sample_index"][0]]
-                if config.corrects:  # which samples the correction keeps, for the group baselines
-                    cat = (lambda k: torch.cat([mb[k] for mb in batch]))
-                    lengths = [int(n) for mb in batch for n in (mb["cu_seqlens"][1:] - mb["cu_seqlens"][:-1])]
-                    corr = compute_rollout_correction(cat("old_log_probs"), cat("rollout_log_probs"),
-                                                      cat("loss_mask"), cu_seqlens_from_lengths(lengths), config)
-                    kept = corr.sequences["kept"] > 0
+            # log-probs of the current weights: pi_old (standard / decoupled), or, in bypass mode with rejection,
+            # pi_theta at the start of the step -- what the loss will see -- to know the rejected samples before the
+            # baselines (that forward pass is the price of correct baselines; bypass without rejection skips it)
+            bypass = config.mode == "bypass"
+            current = None
+            if not bypass or config.rejects:
+                current = self_log_probs(M, model, batch, s.temperature, vocab_parallel_log_probs)
+                if not bypass:
+                    for mb in batch:
+                        mb["old_log_probs"] = current[mb["sample_index"][0]]
+            if config.rejects:  # which samples the correction keeps, for the group baselines
+                cat = (lambda k: torch.cat([mb[k] for mb in batch]))
+                lengths = [int(n) for mb in batch for n in (mb["cu_seqlens"][1:] - mb["cu_seqlens"][:-1])]
+                train = torch.cat([current[mb["sample_index"][0]] for mb in batch])
+                corr = compute_rollout_correction(train, cat("rollout_log_probs"), cat("loss_mask"),
+                                                  cu_seqlens_from_lengths(lengths), config)
+                kept = corr.sequences["kept"] > 0
             adv = group_advantages(r, s.group_size, kept)
             for mb in batch:
                 cu = mb["cu_seqlens"]
