@@ -88,3 +88,9 @@ def test_readme_names_no_missing_doc():
     readme = open(os.path.join(os.path.dirname(DOCS), "README.md")).read()
     for link in re.findall(r"\]\((docs/[a-z_]+\.md)\)", readme):
         assert os.path.exists(os.path.join(os.path.dirname(DOCS), link)), link
+
+
+def test_every_train_flag_is_documented():
+    from slime_rc.train.launch import _FLAGS
+    documented = set(re.findall(r"^\| `(--[a-z-]+)`", _read("train.md"), flags=re.M))
+    assert documented == set(_FLAGS) | {"--nproc", "--output-dir"}, documented ^ (set(_FLAGS) | {"--nproc", "--output-dir"})
