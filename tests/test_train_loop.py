@@ -155,3 +155,18 @@ def test_train_with_an_sglang_server(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "slime_rc", "train", "--rollout-engine", "sglang"],
                          capture_output=True, text=True, cwd=root, timeout=120)
     assert bad.returncode == 2 and "--sglang-url" in bad.stderr
+
+
+def test_train_with_a_custom_tis_function(tmp_path):
+    """``--custom-tis-function-path``: the loss takes the weights from the function (its metrics get their prefix)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-m", "slime_rc", "train", "--num-steps", "2", "--prompts-per-step", "8",
+                           "--use-tis", "--logit-noise", "0.5", "--custom-tis-function-path", "mis",
+                           "--output-dir", str(tmp_path)], capture_output=True, text=True, cwd=root, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert any(k.startswith("rollout_corr/tis_function/") for k in rows[0]), sorted(rows[0])

@@ -19,7 +19,7 @@ from typing import List, Optional
 
 import torch
 
-from ..arguments import add_rollout_correction_arguments, resolve_args
+from ..arguments import add_rollout_correction_arguments, resolve_args, tis_function_from_args
 from .loop import TrainSettings, run_training, settings_dict
 
 # flag -> TrainSettings field (Megatron's spelling for the parallel sizes)
@@ -114,7 +114,9 @@ def _worker(rank: int, world: int, init_method: str, args: argparse.Namespace) -
                     writer.add_scalar(k, v, m["step"])
 
     try:
-        history = run_training(settings, resolution.config, on_step)
+        args.rollout_correction_config = resolution.config  # what the custom_tis adapters read
+        history = run_training(settings, resolution.config, on_step, tis_function=tis_function_from_args(args),
+                               tis_args=args)
         if rank == 0 and history:
             first, last = history[0], history[-1]
             print(f"done: mean reward {first['reward_mean']:.3f} -> {last['reward_mean']:.3f}, exact answers "

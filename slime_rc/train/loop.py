@@ -154,11 +154,14 @@ def self_log_probs(M, model, batch: List[dict], temperature: float, log_probs_fn
 
 
 def run_training(settings: TrainSettings, config: RolloutCorrectionConfig,
-                 on_step: Callable[[dict], None] = lambda m: None) -> List[dict]:
-    """Train ``settings.num_steps`` steps in this (initialised) process group; returns the per-step metrics."""
+                 on_step: Callable[[dict], None] = lambda m: None, *, tis_function: Optional[Callable] = None,
+                 tis_args=None) -> List[dict]:
+    """Train ``settings.num_steps`` steps in this (initialised) process group; returns the per-step metrics.
+    ``tis_function`` (``--custom-tis-function-path``, called with ``tis_args``): the weights and keep mask come from
+    it, in the loss (so decoupled mode then uses the in-loss path, not the pre-step one)."""
     from ..megatron import model as M
     from ..megatron.logprobs import vocab_parallel_log_probs
-    from ..megatron.loss import make_loss_func, prepare_global_batch
+    from ..megatron.loss import make_loss_func, prepare_global_batch, with_sample_fields
 
     s = settings
     M.initialize_parallel(s.tp, s.pp, s.cp, s.vpp, s.sequence_parallel, seed=1234 + s.seed)
@@ -206,10 +209,13 @@ def run_training(settings: TrainSettings, config: RolloutCorrectionConfig,
 
             t1 = time.perf_counter()
             mine = M.data_parallel_slice(batch)
+            if tis_function is not None:
+                mine = [with_sample_fields(mb) for mb in mine]
             local_mbs = M.shard_for_step(model, mine)
-            prepared = prepare_global_batch(local_mbs, config) if config.mode == "decoupled" else None
+            prestep = config.mode == "decoupled" and tis_function is None
+            prepared = prepare_global_batch(local_mbs, config) if prestep else None
             loss_fn = make_loss_func(config, temperature=s.temperature, prepared=prepared,
-                                     num_microbatches=len(mine))
+                                     num_microbatches=len(mine), tis_function=tis_function, tis_args=tis_args)
             result = M.train_step(model, optimizer, mine, loss_fn, local_micro_batches=local_mbs)
             per_mb = {}
             if _is_reporter():
