@@ -15,6 +15,8 @@ import custom_tis._contract as contract
 from slime_rc import PRESETS, RejectionCriterion, RolloutCorrectionConfig
 from slime_rc.arguments import FLAGS, OTHER_FLAGS, add_rollout_correction_arguments, config_from_args, resolve_args
 
+from .checks import raises_mentioning as _raises
+
 DEFAULT = RolloutCorrectionConfig()
 
 
@@ -35,15 +37,6 @@ def _config(argv):
 
 def _resolve(argv):
     return resolve_args(_parse(argv))
-
-
-def _raises(fn, *substrings):
-    with pytest.raises(ValueError) as info:
-        fn()
-    msg = str(info.value)
-    for s in substrings:
-        assert s in msg, f"{s!r} not in error message {msg!r}"
-    return msg
 
 
 def _parse_fails(capsys, argv, *substrings, parser=None):

@@ -11,14 +11,7 @@ import torch
 from slime_rc import (IS_LEVELS, IS_MODES, RS_OPTIONS, RejectionCriterion, RolloutCorrectionConfig,
                       compute_rollout_correction, cu_seqlens_from_lengths, parse_rejection_criteria)
 
-
-def _raises(fn, *substrings):
-    with pytest.raises(ValueError) as info:
-        fn()
-    msg = str(info.value)
-    for s in substrings:
-        assert s in msg, f"{s!r} not in error message {msg!r}"
-    return msg
+from .checks import raises_mentioning as _raises
 
 
 # ---------------------------------------------------------------------------------------------------------------

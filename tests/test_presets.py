@@ -17,16 +17,9 @@ from slime_rc import PRESETS, RS_OPTIONS, RejectionCriterion, RolloutCorrectionC
 from slime_rc.arguments import add_rollout_correction_arguments, config_from_args
 from slime_rc.settings import SETTINGS
 
+from .checks import raises_mentioning as _raises
+
 C = RolloutCorrectionConfig
-
-
-def _raises(fn, *substrings, exc=ValueError):
-    with pytest.raises(exc) as info:
-        fn()
-    msg = str(info.value)
-    for s in substrings:
-        assert s in msg, f"{s!r} not in error message {msg!r}"
-    return msg
 
 
 GEO = (("geometric", 1.001, 0.999),)       # rollout_corr_math.md spelling of the geometric filter

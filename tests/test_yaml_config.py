@@ -15,6 +15,8 @@ from slime_rc.arguments import add_rollout_correction_arguments, config_from_arg
 from slime_rc.settings import resolve
 from slime_rc.yaml_config import load_yaml_layer
 
+from .checks import raises_mentioning as _raises
+
 C = RolloutCorrectionConfig
 
 
@@ -36,15 +38,6 @@ def _load_text(tmp_path, text, name="rc.yaml"):
 def _via_flag(path, *argv):
     parser = add_rollout_correction_arguments(argparse.ArgumentParser())
     return config_from_args(parser.parse_args(["--custom-config-path", path, *argv]))
-
-
-def _raises(fn, *substrings):
-    with pytest.raises(ValueError) as info:
-        fn()
-    msg = str(info.value)
-    for s in substrings:
-        assert s in msg, f"{s!r} not in error message {msg!r}"
-    return msg
 
 
 # ---------------------------------------------------------------------------------------------------------------
