@@ -162,6 +162,25 @@ def test_bypass_ppo_is_ppo_with_old_replaced_by_rollout():
     assert float(none) == pytest.approx(float(bypass[0]), rel=1e-7)
 
 
+@pytest.mark.parametrize("mode,loss_type", [("standard", "ppo_clip"), ("bypass", "ppo_clip"), ("bypass", "reinforce")])
+@pytest.mark.parametrize("loss_agg", ["sample_mean", "token_mean"])
+def test_metrics_only_leaves_loss_and_gradient_bit_identical(mode, loss_type, loss_agg):
+    """--get-mismatch-metrics without IS/RS: every mismatch metric is reported, the numbers of the loss are not
+    touched (compared bit for bit, not to a tolerance)."""
+    b = _batch(21, sigma=0.5)
+    base = dict(mode=mode, loss_type=loss_type, loss_agg=loss_agg)
+    plain = _loss(b, RolloutCorrectionConfig(**base))
+    watched = _loss(b, RolloutCorrectionConfig(**base, get_mismatch_metrics=True))
+    assert torch.equal(watched[0], plain[0]) and torch.equal(watched[1], plain[1])
+    assert not any(k.startswith("rollout_corr/") for k in plain[2])
+    train = b["theta"] if mode == "bypass" else b["old"]
+    engine = compute_rollout_correction(train, b["rollout"], b["mask"], b["cu"], RolloutCorrectionConfig())
+    assert set(watched[2]) - set(plain[2]) == {f"rollout_corr/{k}" for k in engine.metrics}
+    for k, v in engine.metrics.items():  # pi_old vs pi_rollout (standard), pi_theta vs pi_rollout (bypass)
+        assert float(watched[2][f"rollout_corr/{k}"]) == float(v), k
+    assert float(watched[2]["rollout_corr/kl"]) != 0.0
+
+
 def test_is_weights_are_diagnostics_only_in_bypass_ppo():
     b = _batch(8)
     plain = _loss(b, RolloutCorrectionConfig(mode="bypass"))

@@ -12,8 +12,8 @@ Response: a JSON list (one object per prompt, in order; a bare object for a batc
 (``logprob_start_len`` -1 default: output tokens only).  The log-prob of response token ``i`` is SGLang's
 ``log_softmax(logits / temperature)`` at position ``prompt_len + i - 1`` -- the full distribution, not
 renormalised over top-p, floored at the dtype minimum.  NaN / +-Inf are serialised as JSON ``null``:
-:func:`rollout_log_probs_from_meta_info` refuses them (ValueError naming the token index) instead of building a
-tensor that would silently poison the correction.
+:func:`slime_rc.sglang.rollout_log_probs_from_meta_info` refuses them (ValueError naming the token index) instead of
+building a tensor that would silently poison the correction.
 
 The response tokens are the ``token_id`` of those items (``output_ids``, when the server sends it, must agree).
 """
@@ -21,68 +21,15 @@ The response tokens are the ``token_id`` of those items (``output_ids``, when th
 from __future__ import annotations
 
 import json
-import math
 import urllib.error
 import urllib.request
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
+from ..sglang import response_tokens_from_meta_info, rollout_log_probs_from_meta_info
+
 __all__ = ["SGLangEngine", "rollout_log_probs_from_meta_info", "response_tokens_from_meta_info"]
-
-
-def _items(meta_info: Mapping[str, Any]) -> list:
-    if not isinstance(meta_info, Mapping) or "output_token_logprobs" not in meta_info:
-        raise ValueError("meta_info has no 'output_token_logprobs' (send \"return_logprob\": true)")
-    items = meta_info["output_token_logprobs"]
-    if not isinstance(items, (list, tuple)):
-        raise ValueError(f"output_token_logprobs must be a list, got {type(items).__name__}")
-    for i, item in enumerate(items):
-        if not isinstance(item, (list, tuple)) or len(item) < 2:
-            raise ValueError(f"output_token_logprobs[{i}] = {item!r}: expected [logprob, token_id, text]")
-    return list(items)
-
-
-def response_tokens_from_meta_info(meta_info: Mapping[str, Any]) -> torch.Tensor:
-    """``meta_info["output_token_logprobs"]`` -> int64 ``[n]`` token ids."""
-    ids = []
-    for i, item in enumerate(_items(meta_info)):
-        tok = item[1]
-        if isinstance(tok, bool) or not isinstance(tok, int):
-            raise ValueError(f"output_token_logprobs[{i}]: token id {tok!r} is not an integer")
-        ids.append(tok)
-    return torch.tensor(ids, dtype=torch.int64)
-
-
-def rollout_log_probs_from_meta_info(meta_info: Mapping[str, Any],
-                                     response_tokens: Optional[Sequence[int]] = None) -> torch.Tensor:
-    """``meta_info["output_token_logprobs"]`` (``[[logprob, token_id, text], ...]``) -> float32 ``[n]`` log-probs.
-
-    ``response_tokens`` (optional): the response the trainer will score; its length and every token id must match
-    the items'.  Raises ``ValueError`` naming the token index for a missing (``None`` = JSON null, i.e. NaN/Inf on
-    the server), NaN, infinite or positive log-prob, or a mismatching token id."""
-    items = _items(meta_info)
-    if response_tokens is not None:
-        resp = torch.as_tensor(response_tokens).reshape(-1).tolist()
-        if len(resp) != len(items):
-            raise ValueError(f"{len(items)} output_token_logprobs for a response of {len(resp)} tokens")
-    values = []
-    for i, item in enumerate(items):
-        lp, tok = item[0], item[1]
-        if lp is None:
-            raise ValueError(f"output_token_logprobs[{i}]: log-prob is null (NaN/Inf on the server) for token "
-                             f"{tok!r}")
-        if isinstance(lp, bool) or not isinstance(lp, (int, float)):
-            raise ValueError(f"output_token_logprobs[{i}]: log-prob {lp!r} is not a number")
-        lp = float(lp)
-        if not math.isfinite(lp):
-            raise ValueError(f"output_token_logprobs[{i}]: log-prob {lp} is not finite")
-        if lp > 1e-4:  # a log-prob: <= 0 (small positive slack for rounding)
-            raise ValueError(f"output_token_logprobs[{i}]: log-prob {lp} > 0")
-        if response_tokens is not None and tok != resp[i]:
-            raise ValueError(f"output_token_logprobs[{i}]: token id {tok!r} != response token {resp[i]}")
-        values.append(lp)
-    return torch.tensor(values, dtype=torch.float32)
 
 
 class SGLangEngine:
