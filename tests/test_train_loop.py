@@ -1,5 +1,6 @@
 """The GRPO loop of ``slime-rc train`` (``slime_rc.train.loop``): same seed and global batch give the same per-step
-metrics in every parallel layout (1 process, TP2xPP2, CP2xDP2), in decoupled and bypass mode."""
+metrics in every parallel layout (1 process, TP2xPP2, CP2xDP2), in decoupled and bypass mode; metrics-only
+monitoring, ``decoupled_metrics`` and ``dump_logprobs`` leave the training bit-identical."""
 
 from __future__ import annotations
 
@@ -21,12 +22,24 @@ def _config(mode):
                                    rs=parse_rejection_criteria("geometric", "0.8_1.25"))
 
 
-def worker(rank, world, names):
+MONITOR_RUNS = {  # name -> (config fields, TrainSettings fields); dump_logprobs is filled in by the worker
+    "standard": (dict(), dict()),
+    "standard_watched": (dict(get_mismatch_metrics=True), dict()),
+    "bypass": (dict(mode="bypass"), dict()),
+    "bypass_watched": (dict(mode="bypass", get_mismatch_metrics=True), dict()),
+    "bypass_decoupled_dump": (dict(mode="bypass", get_mismatch_metrics=True),
+                              dict(decoupled_metrics=True, dump_logprobs=True)),
+}
+
+
+def worker(rank, world, names, dump_dir=None):
     import os
 
     import torch
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     torch.set_num_threads(1)
+    import slime_rc.train.loop as loop
+    from slime_rc import RolloutCorrectionConfig
     from slime_rc.train.loop import TrainSettings, run_training
     out = {}
     for name in names:
@@ -36,15 +49,27 @@ def worker(rank, world, names):
             settings = TrainSettings(num_steps=STEPS, prompts_per_step=16, group_size=4, logit_noise=0.3,
                                      rollout_dtype="fp32", **LAYOUTS[name][1])
             out[(name, mode)] = run_training(settings, _config(mode))
+    if dump_dir is not None:  # metrics-only monitoring: count the forward-only passes the loop makes
+        real, calls = loop.self_log_probs, []
+        loop.self_log_probs = lambda *a, **k: calls.append(1) or real(*a, **k)
+        for name, (cfg, extra) in MONITOR_RUNS.items():
+            extra = dict(extra, dump_logprobs=dump_dir) if extra.get("dump_logprobs") else extra
+            settings = TrainSettings(num_steps=STEPS, prompts_per_step=16, group_size=4, logit_noise=0.3,
+                                     rollout_dtype="fp32", **extra)
+            calls.clear()
+            out[("monitor", name)] = (run_training(settings, RolloutCorrectionConfig(**cfg)), len(calls))
+        loop.self_log_probs = real
     return out
 
 
 @pytest.fixture(scope="module")
-def runs():
+def runs(tmp_path_factory):
     out = {}
+    dump_dir = str(tmp_path_factory.mktemp("dump"))
+    out["dump_dir"] = dump_dir
     for world in (1, 4):
         names = [n for n, (w, _) in LAYOUTS.items() if w == world]
-        per_rank = run_distributed(worker, world, args=(names,), timeout=300)
+        per_rank = run_distributed(worker, world, args=(names, dump_dir if world == 1 else None), timeout=300)
         for key, hist in per_rank[0].items():
             out[key] = hist
             for r in per_rank[1:]:
@@ -62,6 +87,57 @@ def test_the_run_corrects_and_rejects(runs):
         assert 0 < m["rollout_corr/rollout_rs_masked_fraction"] < 1, m
         assert any(h["grad_norm"] > 0 and abs(h["loss"]) > 0 for h in hist), hist  # a learning signal
         assert 0 < m["kept_fraction"] < 1, m  # rejected samples are out of the group baselines (both modes)
+
+
+def test_metrics_only_monitoring_changes_nothing_and_bypass_adds_no_forward_pass(runs):
+    """--get-mismatch-metrics: the same per-step loss, grad norm and rewards bit for bit (so the same weights and
+    samples), with the mismatch metrics logged; bypass mode gets them from the loss's own pi_theta (no forward-only
+    pass), standard mode from the pi_old it recomputes anyway."""
+    for plain, watched in (("standard", "standard_watched"), ("bypass", "bypass_watched"),
+                           ("bypass", "bypass_decoupled_dump")):
+        (a, _), (b, _) = runs[("monitor", plain)], runs[("monitor", watched)]
+        for step, (x, y) in enumerate(zip(a, b)):
+            for k in ("loss", "grad_norm", "reward_mean", "kept_fraction"):
+                assert x[k] == y[k], (plain, watched, step, k, x[k], y[k])
+        assert not any(k.startswith("rollout_corr") for k in a[0]), sorted(a[0])
+        assert b[0]["rollout_corr/k3_kl"] > 1e-5 and "rollout_corr/chi2_seq" in b[0], sorted(b[0])
+    passes = {name: runs[("monitor", name)][1] for name in MONITOR_RUNS}
+    assert passes == {"standard": STEPS, "standard_watched": STEPS, "bypass": 0, "bypass_watched": 0,
+                      "bypass_decoupled_dump": STEPS}, passes
+
+
+def test_decoupled_metrics_and_the_dump_agree_with_the_engine(runs):
+    """Bypass + --decoupled-metrics logs rollout_corr_decoupled/... (global batch, pi_old at the step's start vs
+    pi_rollout); --dump-logprobs wrote the same log-probs: the engine on the dump gives the same metrics."""
+    import json
+    import os
+
+    import torch
+
+    from slime_rc import RolloutCorrectionConfig, compute_rollout_correction, cu_seqlens_from_lengths
+    hist, _ = runs[("monitor", "bypass_decoupled_dump")]
+    files = sorted(os.listdir(runs["dump_dir"]))
+    assert files == [f"step_{i:06d}.jsonl" for i in range(STEPS)], files
+    for step, m in enumerate(hist):
+        with open(os.path.join(runs["dump_dir"], files[step])) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        assert len(rows) == 16 * 4 and {r["step"] for r in rows} == {step} and rows[0]["mode"] == "bypass"
+        cat = (lambda key: torch.tensor([x for r in rows for x in r[key]], dtype=torch.float32))
+        cu = cu_seqlens_from_lengths([len(r["loss_mask"]) for r in rows])
+        engine = compute_rollout_correction(cat("train_log_probs"), cat("rollout_log_probs"), cat("loss_mask"), cu,
+                                            RolloutCorrectionConfig(mode="bypass", get_mismatch_metrics=True))
+        for k, v in engine.metrics.items():
+            got = m[f"rollout_corr_decoupled/{k}"]
+            assert abs(got - float(v)) <= 1e-9 * max(1.0, abs(float(v))), (step, k, got, float(v))
+        assert m["rollout_corr_decoupled/kl"] != 0.0
+
+
+def test_decoupled_metrics_outside_bypass_is_refused():
+    from slime_rc import RolloutCorrectionConfig
+    from slime_rc.train.loop import TrainSettings
+    with pytest.raises(ValueError, match="--decoupled-metrics is for bypass mode"):
+        TrainSettings(decoupled_metrics=True).check(RolloutCorrectionConfig(is_level="token"))
+    TrainSettings(decoupled_metrics=True).check(RolloutCorrectionConfig(mode="bypass"))
 
 
 @pytest.mark.parametrize("layout", ["tp2_pp2", "cp2_dp2"])

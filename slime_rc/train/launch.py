@@ -20,6 +20,7 @@ from typing import List, Optional
 import torch
 
 from ..arguments import add_rollout_correction_arguments, resolve_args, tis_function_from_args
+from ..sglang import check_sampling_consistency
 from .loop import TrainSettings, run_training, settings_dict
 
 # flag -> TrainSettings field (Megatron's spelling for the parallel sizes)
@@ -30,7 +31,8 @@ _FLAGS = {"--tensor-model-parallel-size": "tp", "--pipeline-model-parallel-size"
           "--group-size": "group_size", "--micro-batches": "micro_batches", "--rollout-temperature": "temperature",
           "--top-p": "top_p", "--rollout-dtype": "rollout_dtype", "--stale-steps": "stale_steps",
           "--logit-noise": "logit_noise", "--hidden-size": "hidden_size", "--num-layers": "num_layers",
-          "--rollout-engine": "rollout_engine", "--sglang-url": "sglang_url"}
+          "--rollout-engine": "rollout_engine", "--sglang-url": "sglang_url",
+          "--decoupled-metrics": "decoupled_metrics", "--dump-logprobs": "dump_logprobs"}
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -41,6 +43,14 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         default = getattr(defaults, name)
         if name == "sequence_parallel":
             g.add_argument(flag, dest=name, action="store_true")
+        elif name == "decoupled_metrics":
+            g.add_argument(flag, dest=name, action="store_true",
+                           help="bypass mode: a forward-only pass per step logs the global-batch metrics of pi_old "
+                                "vs pi_rollout as rollout_corr_decoupled/...")
+        elif name == "dump_logprobs":
+            g.add_argument(flag, dest=name, default=None, metavar="DIR",
+                           help="write each step's train/rollout log-probs to DIR/step_NNNNNN.jsonl "
+                                "(for slime-rc analyze)")
         elif name == "vpp":
             g.add_argument(flag, dest=name, type=int, default=None)
         elif name == "sglang_url":
@@ -89,6 +99,9 @@ def _worker(rank: int, world: int, init_method: str, args: argparse.Namespace) -
               f"{resolution.config.loss_type}", flush=True)
         for note in resolution.notes:
             print(f"note: {note}", flush=True)
+        for note in check_sampling_consistency({"temperature": settings.temperature, "top_p": settings.top_p},
+                                               settings.temperature, warn=False):
+            print(f"note: {note}", flush=True)
         if args.output_dir:
             os.makedirs(args.output_dir, exist_ok=True)
             with open(os.path.join(args.output_dir, "config.json"), "w") as f:
@@ -134,7 +147,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = add_train_arguments(argparse.ArgumentParser(prog="slime-rc train", allow_abbrev=False))
     args = parser.parse_args(argv)
     try:
-        resolve_args(args)  # refuse a bad configuration before starting anything
+        _settings(args).check(resolve_args(args).config)  # refuse a bad configuration before starting anything
         if args.rollout_engine == "sglang" and not args.sglang_url:
             raise ValueError("--rollout-engine sglang needs --sglang-url http://host:port")
     except ValueError as e:

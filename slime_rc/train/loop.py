@@ -17,9 +17,17 @@ Runs in every rank of an initialised process group (:func:`run_training`).  Per 
 6. one step: decoupled mode with the pre-step global correction (``prepare_global_batch``), bypass mode with the
    in-loss correction (``slime_rc.megatron.loss``).
 
+Metrics-only monitoring (``--get-mismatch-metrics`` without IS/RS/veto) changes neither the loss nor the gradients:
+the engine's keep mask is then every loss token and no weight is applied.  In bypass mode it adds no forward pass:
+the metrics come from the loss's own pi_theta.  ``decoupled_metrics`` (bypass only) asks for the forward-only pass
+and logs the global-batch metrics of pi_old (the weights at the step's start) vs pi_rollout as
+``rollout_corr_decoupled/...``.  ``dump_logprobs`` writes each step's per-sample train / rollout log-probs
+(``slime_rc.dump``, JSONL) for ``slime-rc analyze``; in bypass mode it needs the same forward-only pass.
+
 Per-step metrics (equal on every rank): ``step``, ``loss``, ``grad_norm``, ``reward_mean``, ``reward_std``,
 ``exact_fraction``, ``response_length``, ``rollout_corr/...`` (the mean over micro-batches of the correction
-metrics; global-batch values in decoupled mode), ``time/rollout``, ``time/train``, ``time/step`` (seconds).
+metrics; global-batch values in decoupled mode), ``rollout_corr_decoupled/...`` (``decoupled_metrics``),
+``time/rollout``, ``time/train``, ``time/step`` (seconds).
 """
 
 from __future__ import annotations
@@ -63,10 +71,20 @@ class TrainSettings:
     sequence_parallel: bool = False
     rollout_engine: str = "torch"  # or "sglang": a running server at sglang_url (it serves its own weights)
     sglang_url: Optional[str] = None
+    decoupled_metrics: bool = False  # bypass mode: forward-only pass -> global pi_old vs pi_rollout metrics
+    dump_logprobs: Optional[str] = None  # directory for per-step log-prob dumps (slime_rc.dump)
     vocab_size: int = 16
     hidden_size: int = 64
     num_layers: int = 2
     num_attention_heads: int = 4
+
+    def check(self, config: RolloutCorrectionConfig) -> None:
+        """Refuse settings that would do nothing under ``config`` (said at launch, before any process starts)."""
+        if self.decoupled_metrics and config.mode != "bypass":
+            raise ValueError(f"--decoupled-metrics is for bypass mode (it recomputes pi_old to measure pi_old vs "
+                             f"pi_rollout); in mode={config.mode!r} pi_old is recomputed anyway and the rollout_corr/ "
+                             f"metrics already are pi_old vs pi_rollout: drop the flag, or add "
+                             f"--get-mismatch-metrics for them in standard mode")
 
     def model_config(self):
         from ..megatron.model import TinyGPTConfig
@@ -153,6 +171,24 @@ def self_log_probs(M, model, batch: List[dict], temperature: float, log_probs_fn
     return _gather_from_reporters(local)
 
 
+def dump_step(directory: str, step: int, batch: List[dict], train_log_probs: dict, rewards: torch.Tensor,
+              advantages: torch.Tensor, mode: str) -> str:
+    """Write one step's samples (their response tokens only) with :class:`slime_rc.dump.DumpWriter`:
+    ``train_log_probs`` = pi_old (standard / decoupled) or pi_theta at the step's start (bypass), from
+    :func:`self_log_probs`."""
+    from ..dump import DumpWriter, sample_record
+    records = []
+    for mb in batch:
+        cu = mb["cu_seqlens"].tolist()
+        train = train_log_probs[mb["sample_index"][0]]
+        for j, i in enumerate(mb["sample_index"]):
+            keep = mb["loss_mask"][cu[j]:cu[j + 1]] > 0
+            records.append(sample_record(train[cu[j]:cu[j + 1]][keep], mb["rollout_log_probs"][cu[j]:cu[j + 1]][keep],
+                                         mb["loss_mask"][cu[j]:cu[j + 1]][keep], step=step, sample=i,
+                                         reward=float(rewards[i]), advantage=float(advantages[i]), mode=mode))
+    return DumpWriter(directory).write_step(step, records)
+
+
 def run_training(settings: TrainSettings, config: RolloutCorrectionConfig,
                  on_step: Callable[[dict], None] = lambda m: None, *, tis_function: Optional[Callable] = None,
                  tis_args=None) -> List[dict]:
@@ -164,6 +200,7 @@ def run_training(settings: TrainSettings, config: RolloutCorrectionConfig,
     from ..megatron.loss import make_loss_func, prepare_global_batch, with_sample_fields
 
     s = settings
+    s.check(config)
     M.initialize_parallel(s.tp, s.pp, s.cp, s.vpp, s.sequence_parallel, seed=1234 + s.seed)
     try:
         cfg = s.model_config()
@@ -190,22 +227,28 @@ def run_training(settings: TrainSettings, config: RolloutCorrectionConfig,
             # baselines (that forward pass is the price of correct baselines; bypass without rejection skips it)
             bypass = config.mode == "bypass"
             current = None
-            if not bypass or config.rejects:
+            if not bypass or config.rejects or s.decoupled_metrics or s.dump_logprobs:
                 current = self_log_probs(M, model, batch, s.temperature, vocab_parallel_log_probs)
                 if not bypass:
                     for mb in batch:
                         mb["old_log_probs"] = current[mb["sample_index"][0]]
-            if config.rejects:  # which samples the correction keeps, for the group baselines
+            global_metrics = {}
+            if config.rejects or s.decoupled_metrics:  # the correction of the global batch, on every rank
                 cat = (lambda k: torch.cat([mb[k] for mb in batch]))
                 lengths = [int(n) for mb in batch for n in (mb["cu_seqlens"][1:] - mb["cu_seqlens"][:-1])]
                 train = torch.cat([current[mb["sample_index"][0]] for mb in batch])
                 corr = compute_rollout_correction(train, cat("rollout_log_probs"), cat("loss_mask"),
                                                   cu_seqlens_from_lengths(lengths), config)
-                kept = corr.sequences["kept"] > 0
+                if config.rejects:  # which samples the correction keeps, for the group baselines
+                    kept = corr.sequences["kept"] > 0
+                if s.decoupled_metrics:
+                    global_metrics = {k: float(v) for k, v in corr.prefixed("rollout_corr_decoupled/").items()}
             adv = group_advantages(r, s.group_size, kept)
             for mb in batch:
                 cu = mb["cu_seqlens"]
                 mb["advantages"] = torch.repeat_interleave(adv[mb["sample_index"]], cu[1:] - cu[:-1])
+            if s.dump_logprobs and dist.get_rank() == 0:
+                dump_step(s.dump_logprobs, step, batch, current, r, adv, config.mode)
 
             t1 = time.perf_counter()
             mine = M.data_parallel_slice(batch)
@@ -234,6 +277,7 @@ def run_training(settings: TrainSettings, config: RolloutCorrectionConfig,
             for k in names:
                 vals = [m[k] for m in per_mb.values() if k in m]
                 metrics[k] = sum(vals) / len(vals)
+            metrics.update(global_metrics)
             metrics.update({"time/rollout": t_rollout, "time/train": t_train,
                             "time/step": time.perf_counter() - t0})
             history.append(metrics)
