@@ -1,7 +1,9 @@
 """The ``slime-rc`` command.
 
 ``slime-rc train [flags...]`` runs the main job (:mod:`slime_rc.train.launch`); ``slime-rc plot RUN_DIR... -o
-FILE.png`` draws its curves (:mod:`slime_rc.train.plot`).
+FILE.png`` draws its curves (:mod:`slime_rc.train.plot`); ``slime-rc analyze DUMP`` reports the mismatch of a log-prob
+dump (:mod:`slime_rc.analyze`); ``slime-rc study estimators`` measures the estimators' bias and variance
+(:mod:`slime_rc.estimators`), ``slime-rc study summary DIR`` summarises a mismatch study (:mod:`slime_rc.train.study`).
 
 ``slime-rc config [launch flags...] [--json]`` prints the resolved rollout-correction configuration: the operating
 mode and every IS/RS setting with where it came from (flag / YAML / preset / default).  Paste a whole launch line:
@@ -78,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("train", help="run GRPO training with rollout correction (see slime-rc train --help)",
                         add_help=False)
     commands.add_parser("plot", help="plot metrics.jsonl of runs (see slime-rc plot --help)", add_help=False)
+    commands.add_parser("analyze", help="mismatch report of a log-prob dump (see slime-rc analyze --help)",
+                        add_help=False)
+    commands.add_parser("study", help="'study estimators': bias/variance of the estimators; 'study summary DIR': "
+                                      "table of a mismatch study", add_help=False)
     config = commands.add_parser("config", help="print the resolved rollout-correction configuration",
                                  description=__doc__.split("\n\n")[1], allow_abbrev=False)
     add_rollout_correction_arguments(config)
@@ -93,6 +99,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     if argv[:1] == ["plot"]:
         from .train.plot import main as plot_main
         return plot_main(argv[1:])
+    if argv[:1] == ["analyze"]:
+        from .analyze import main as analyze_main
+        return analyze_main(argv[1:])
+    if argv[:2] == ["study", "estimators"]:
+        from .estimators import main as estimators_main
+        return estimators_main(argv[2:])
+    if argv[:2] == ["study", "summary"]:
+        from .train.study import main as summary_main
+        return summary_main(argv[2:])
+    if argv[:1] == ["study"]:
+        print("slime-rc study: error: choose 'estimators' (bias/variance of the estimators) or 'summary DIR' (table "
+              "of examples/mismatch_study.sh)", file=sys.stderr)
+        return 2
     parser = build_parser()
     args, ignored = parser.parse_known_args(argv)
     try:

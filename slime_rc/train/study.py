@@ -37,5 +37,11 @@ def summarize(out_dir: str) -> str:
     return "\n".join(lines)
 
 
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    print(summarize(argv[0] if argv else "runs/study"))
+    return 0
+
+
 if __name__ == "__main__":
-    print(summarize(sys.argv[1] if len(sys.argv) > 1 else "runs/study"))
+    sys.exit(main())
