@@ -71,9 +71,11 @@ def _settings(args) -> TrainSettings:
 
 
 def _line(m: dict, total: int) -> str:
+    def show(key, fmt):  # a metric the configuration does not compute shows as "-"
+        return format(m[key], fmt) if key in m else "-"
     return (f"step {m['step'] + 1:>4}/{total}  reward {m['reward_mean']:.3f}  loss {m['loss']:+.4f}  "
-            f"grad {m['grad_norm']:.3f}  k3 {m.get('rollout_corr/k3_kl', float('nan')):.2e}  "
-            f"ess {m.get('rollout_corr/rollout_is_eff_sample_size', float('nan')):.3f}  "
+            f"grad {m['grad_norm']:.3f}  k3 {show('rollout_corr/k3_kl', '.2e')}  "
+            f"ess {show('rollout_corr/rollout_is_eff_sample_size', '.3f')}  "
             f"rejected {m.get('rollout_corr/rollout_rs_masked_fraction', 0.0):.3f}  {m['time/step']:.2f}s")
 
 
