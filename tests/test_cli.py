@@ -76,3 +76,14 @@ def test_module_entry_point_runs():
                            "--rs-upper-bound", "0.01"], capture_output=True, text=True, cwd=root, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "seq_mean_k3 <= 0.01" in proc.stdout
+
+
+def test_study_subcommands_dispatch(capsys, tmp_path):
+    run = tmp_path / "cfg" / "seed0"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 0, "reward_mean": 0.5, "grad_norm": 1.0,
+                                                   "time/step": 0.1}) + "\n")
+    assert main(["study", "summary", str(tmp_path)]) == 0
+    assert "| cfg | 1 | 0.500 |" in capsys.readouterr().out
+    assert main(["study"]) == 2
+    assert "'estimators'" in capsys.readouterr().err

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from slime_rc import (RS_OPTIONS, RejectionCriterion, RolloutCorrectionConfig, compute_rollout_correction,
+from slime_rc import (RS_OPTIONS, RolloutCorrectionConfig, compute_rollout_correction,
                       cu_seqlens_from_lengths, parse_rejection_criteria)
 from tests.reference import reference_correction, reference_sequences
 

@@ -182,10 +182,11 @@ def dump_step(directory: str, step: int, batch: List[dict], train_log_probs: dic
         cu = mb["cu_seqlens"].tolist()
         train = train_log_probs[mb["sample_index"][0]]
         for j, i in enumerate(mb["sample_index"]):
-            keep = mb["loss_mask"][cu[j]:cu[j + 1]] > 0
-            records.append(sample_record(train[cu[j]:cu[j + 1]][keep], mb["rollout_log_probs"][cu[j]:cu[j + 1]][keep],
-                                         mb["loss_mask"][cu[j]:cu[j + 1]][keep], step=step, sample=i,
-                                         reward=float(rewards[i]), advantage=float(advantages[i]), mode=mode))
+            span = slice(cu[j], cu[j + 1])
+            keep = mb["loss_mask"][span] > 0  # the response tokens: positions that predict them
+            records.append(sample_record(train[span][keep], mb["rollout_log_probs"][span][keep],
+                                         mb["loss_mask"][span][keep], step=step, sample=i, reward=float(rewards[i]),
+                                         advantage=float(advantages[i]), mode=mode))
     return DumpWriter(directory).write_step(step, records)
 
 
