@@ -451,34 +451,20 @@ class _Parser(argparse.ArgumentParser):
         raise _UsageError(message)
 
 
-def _int_list(flag: str, text: str, lo: int, hi: int, example: str) -> List[int]:
+def _number_list(flag: str, text: str, kind: type, lo: float, hi: float, example: str) -> list:
+    """``"2,4,8"`` -> ``[2, 4, 8]`` of ``kind`` (int or float), each in ``[lo, hi]`` (which also refuses nan)."""
     out = []
     for part in text.split(","):
         try:
-            v = int(part.strip())
+            v = kind(part.strip())
         except ValueError:
-            raise _UsageError(f"{flag} {text!r}: {part.strip()!r} is not an integer; give a comma list such as "
-                              f"{example}") from None
+            raise _UsageError(f"{flag} {text!r}: {part.strip()!r} is not {'an integer' if kind is int else 'a number'}"
+                              f"; give a comma list such as {example}") from None
         if not lo <= v <= hi:
-            raise _UsageError(f"{flag} {text!r}: {v} is out of range; each value must be in [{lo}, {hi}] "
-                              f"(e.g. {example})")
-        out.append(v)
-    return out
-
-
-def _float_list(flag: str, text: str, lo: float, hi: float, example: str) -> List[float]:
-    out = []
-    for part in text.split(","):
-        try:
-            v = float(part.strip())
-        except ValueError:
-            raise _UsageError(f"{flag} {text!r}: {part.strip()!r} is not a number; give a comma list such as "
-                              f"{example}") from None
-        if not lo <= v <= hi:  # also refuses nan
             raise _UsageError(f"{flag} {text!r}: {v:g} is out of range; each value must be in [{lo:g}, {hi:g}] "
                               f"(e.g. {example})")
         out.append(v)
-    return list(dict.fromkeys(out))
+    return out
 
 
 def _count(flag: str, value, lo: int, hi: int, hint: str) -> int:
@@ -518,9 +504,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _resolve(args: argparse.Namespace) -> dict:
     base = {**DEFAULTS, **(QUICK if args.quick else {})}
-    lengths = base["lengths"] if args.lengths is None else _int_list("--lengths", args.lengths, 1, 1024, "2,4,8")
-    mismatch = base["mismatch"] if args.mismatch is None else _float_list("--mismatch", args.mismatch, 0.0, 2.0,
-                                                                          "0.05,0.2,0.5")
+    lengths = base["lengths"] if args.lengths is None else _number_list("--lengths", args.lengths, int, 1, 1024,
+                                                                        "2,4,8")
+    mismatch = base["mismatch"] if args.mismatch is None else list(dict.fromkeys(_number_list(
+        "--mismatch", args.mismatch, float, 0.0, 2.0, "0.05,0.2,0.5")))
     samples = base["samples"] if args.samples is None else _count(
         "--samples", args.samples, 2, 1 << 20, "give the number of sequences per gradient estimate, e.g. 256")
     replications = base["replications"] if args.replications is None else _count(
