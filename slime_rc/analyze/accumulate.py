@@ -32,7 +32,7 @@ import torch
 
 from ..config import RolloutCorrectionConfig
 from ..correction import compute_rollout_correction
-from ..metrics import METRICS
+from ..metrics import METRICS, _div
 from ..packed import cu_seqlens_from_lengths, segment_sum
 from ..presets import PRESETS
 from ..quantiles import QUANTILES, histogram, num_bins, quantiles_from_histogram
@@ -114,10 +114,6 @@ def merge_rule(name: str) -> Optional[Tuple[str, str]]:
     if _QUANTILE.match(name):
         return "quantile", "tokens"
     return None
-
-
-def _div(a: float, b: float) -> float:
-    return a / b if b > 0 else 0.0
 
 
 class MetricMerger:
