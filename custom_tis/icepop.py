@@ -1,36 +1,71 @@
-"""IcePop through slime_rc's engine: token-level IS in mask mode.  A token keeps weight ``r`` when
-``low <= r <= high``; outside the band its weight is 0 and it is removed from the loss mask.
+"""IcePop with slime's semantics (slime's built-in ``icepop_function``).
 
-Bounds: ``args.tis_lower_bound`` (default 0.5) and ``args.tis_upper_bound`` (default 2.0).
+Per token ``w = r`` when ``tis_clip_low <= r <= tis_clip``, else 0; masks are returned unchanged (a zero weight
+zeroes the token's loss; slime's denominators keep it).  Metrics ``tis`` (= r), ``tis_clipfrac`` (w != r),
+``tis_abs`` (|r - 1|).  ``args.tis_clip`` defaults to 2.0 and ``args.tis_clip_low`` to 0 (slime's flag defaults).
+Elementwise: no collective under context parallelism.
+
+With a config resolved at launch by slime-rc (``args.rollout_correction_config``) slime-rc's engine applies instead.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from ._contract import config_from_args, launch_config, correct_samples, correct_samples_with_cp, get_arg
+import torch
+
+from slime_rc.slime.mis import SAFETY_BOUND, NonFiniteLogProbs
+from slime_rc.slime.settings import get
+
+from ._contract import engine_compute, launch_config, run_lists, run_with_cp
 
 
-def icepop_config(args):
-    """The launch-resolved config when ``args`` went through ``slime_rc.config_from_args``, else this
-    adapter's own reading of ``args`` (below)."""
-    resolved = launch_config(args)
-    if resolved is not None:
-        return resolved
-    return config_from_args({}, use_tis=True, tis_level="token", tis_mode="mask",
-                            tis_lower_bound=float(get_arg(args, "tis_lower_bound", 0.5)),
-                            tis_upper_bound=float(get_arg(args, "tis_upper_bound", 2.0)))
+def _bound(args, key: str, default: float) -> float:
+    value = get(args, key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{key}={value!r} must be a finite number >= 0 (slime's --{key.replace('_', '-')}).")
+    return float(value)
+
+
+def ratio_compute(args, *, band: bool):
+    """``compute`` for the contract helpers: slime's vanilla TIS (``band=False``: clamp) or IcePop (``band=True``:
+    zero outside the band), from ``args.tis_clip`` / ``args.tis_clip_low``."""
+    high, low = _bound(args, "tis_clip", 2.0), _bound(args, "tis_clip_low", 0.0)
+    if not low <= high:
+        raise ValueError(f"tis_clip_low={low} must be <= tis_clip={high}.")
+
+    def compute(batch, reducer):
+        lr = batch.train - batch.rollout
+        on_loss = batch.mask != 0
+        bad = on_loss & ~torch.isfinite(lr)
+        if bool(bad.any()):  # the one host read: elementwise, so only this rank can hold it and no peer waits
+            j = int(torch.nonzero(bad)[0, 0])
+            raise NonFiniteLogProbs(f"non-finite log-prob on a loss token: {batch.describe(j)}. Fix the log-prob "
+                                    f"source or mask such tokens out of loss_masks.")
+        r = torch.exp(torch.where(torch.isfinite(lr), lr, 0.0).clamp(-SAFETY_BOUND, SAFETY_BOUND))
+        w = torch.where((r >= low) & (r <= high), r, 0.0) if band else r.clamp(low, high)
+        metrics = {"tis": r, "tis_clipfrac": (w != r).float(), "tis_abs": (r - 1).abs()}
+        return w, batch.mask, torch.ones(len(batch.lengths), dtype=torch.bool, device=r.device), metrics
+    return compute
+
+
+def _compute(args):
+    config = launch_config(args)
+    return engine_compute(config) if config is not None else ratio_compute(args, band=True)
 
 
 def compute_icepop_weights(args, *, train_log_probs, rollout_log_probs, loss_masks):
-    """``(weights, modified_masks, metrics)``: per-sample lists."""
-    return correct_samples(icepop_config(args), train_log_probs=train_log_probs,
-                           rollout_log_probs=rollout_log_probs, loss_masks=loss_masks)
+    """``(weights, masks, metrics)``: per-sample lists (masks unchanged)."""
+    return run_lists(_compute(args), train_log_probs=train_log_probs, rollout_log_probs=rollout_log_probs,
+                     loss_masks=loss_masks)
 
 
 def compute_icepop_weights_with_cp(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths,
                                    response_lengths, **kwargs: Any):
-    """``(pg_loss * weights, CP-local modified_masks, flat local metrics)``."""
-    return correct_samples_with_cp(icepop_config(args), pg_loss=pg_loss, train_log_probs=train_log_probs,
-                                   rollout_log_probs=rollout_log_probs, loss_masks=loss_masks,
-                                   total_lengths=total_lengths, response_lengths=response_lengths)
+    """``(pg_loss * weights, full-length masks, {tis, tis_clipfrac, tis_abs: [N]})``."""
+    return run_with_cp(_compute(args), pg_loss=pg_loss, train_log_probs=train_log_probs,
+                       rollout_log_probs=rollout_log_probs, loss_masks=loss_masks, total_lengths=total_lengths,
+                       response_lengths=response_lengths)

@@ -1,28 +1,123 @@
-"""slime's ``mis.py`` contract (IS + RS + veto + mismatch metrics) as a thin adapter over slime_rc's engine.
+"""slime's ``mis.py`` contract (IS + RS + veto + batch norm + mismatch metrics) for slime's TIS-function hook.
 
-Use with ``--custom-tis-function-path custom_tis.mis.compute_mis_weights_with_cp``.  ``args`` carries the slime
-keys ``use_tis, use_rs, tis_level, rs_level, tis_mode, tis_lower_bound, tis_upper_bound, rs_lower_bound,
-rs_upper_bound, rs_veto_threshold, tis_batch_normalize`` (or slime's ``mis_*`` spellings); missing or None
-attributes are left at the engine's defaults, other attributes are ignored.
+Launch line: ``--custom-tis-function-path custom_tis.mis.compute_mis_weights_with_cp --custom-config-path mis.yaml``.
+
+Which semantics apply:
+
+* slime's keys on ``args`` (slime's YAML keys set as attributes, or the flags our parser hook adds under the same
+  names): slime's example ``mis.py`` (:mod:`slime_rc.slime.mis`) with slime's defaults
+  (:mod:`slime_rc.slime.settings`); metrics under slime's ``mis_*`` names.  Two slime defects are not copied
+  (``use_rs`` without ``use_tis``, the veto without ``use_rs``): a warning says so at the first call.
+* a config resolved at launch by slime-rc (``args.rollout_correction_config``), a
+  ``--rollout-correction-preset``, or settings slime's example cannot express (the k1/k2/k3 rejection options,
+  ``"lo_hi"`` bands, comma lists): slime-rc's engine (:func:`slime_rc.compute_rollout_correction`), metrics under
+  the engine's per-token names (``kl``, ``is_weight``, ...).
+
+Under context parallelism the per-sequence statistics are combined over the CP group with one all-gather of
+``B x k`` float64 values (slime's example all-reduces every full sequence twice, see docs/slime.md).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import os
+import warnings
+from typing import Any, Optional
 
-from ._contract import config_from_args, correct_samples, correct_samples_with_cp
+from slime_rc.slime.mis import slime_mis
+from slime_rc.slime.settings import LEVELS, MIS_KEYS, get, mis_settings
+
+from ._contract import engine_compute, launch_config, run_lists, run_with_cp
 
 
 def compute_mis_weights(args, *, train_log_probs, rollout_log_probs, loss_masks):
-    """``(weights | None, modified_masks, metrics)``: per-sample lists; weights None when IS is off."""
-    return correct_samples(config_from_args(args), train_log_probs=train_log_probs,
-                           rollout_log_probs=rollout_log_probs, loss_masks=loss_masks)
+    """slime's non-CP form: ``(weights list | None, modified masks, {name: per-sample list})`` with slime's metric
+    names without the ``mis_`` prefix (as slime's example returns them)."""
+    return run_lists(_compute(args), train_log_probs=train_log_probs, rollout_log_probs=rollout_log_probs,
+                     loss_masks=loss_masks)
 
 
 def compute_mis_weights_with_cp(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths,
                                 response_lengths, **kwargs: Any):
-    """``(pg_loss * weights, CP-local modified_masks, flat local metrics)``; log-probs are CP-local (zigzag),
-    ``loss_masks`` full length."""
-    return correct_samples_with_cp(config_from_args(args), pg_loss=pg_loss, train_log_probs=train_log_probs,
-                                   rollout_log_probs=rollout_log_probs, loss_masks=loss_masks,
-                                   total_lengths=total_lengths, response_lengths=response_lengths)
+    """``(pg_loss * weights, full-length modified masks, {mis_name: [N]})``; ``pg_loss`` and the log-probs are this
+    CP rank's tokens (zigzag), ``loss_masks`` full response length."""
+    compute = _compute(args)
+    return run_with_cp(compute, pg_loss=pg_loss, train_log_probs=train_log_probs, rollout_log_probs=rollout_log_probs,
+                       loss_masks=loss_masks, total_lengths=total_lengths, response_lengths=response_lengths,
+                       prefix="mis_" if compute.slime else "")
+
+
+def _compute(args):
+    config = launch_config(args)
+    if config is None:
+        reason = _beyond_slime(args)
+        if reason:
+            config = _engine_config(args)
+            _note_engine(reason)
+    if config is not None:
+        compute = engine_compute(config)
+        compute.slime = False
+        return compute
+    check_shared_yaml(get(args, "custom_config_path"))
+    settings = mis_settings(args)
+
+    def compute(batch, reducer):
+        r = slime_mis(settings, batch.train, batch.rollout, batch.mask, batch.cu_seqlens, reducer=reducer,
+                      describe_token=batch.describe)
+        return r.weights, r.keep, r.seq_keep, r.metrics
+    compute.slime = True
+    return compute
+
+
+def _beyond_slime(args) -> Optional[str]:
+    """Why slime's example cannot express ``args``'s settings (None when it can)."""
+    if get(args, "rollout_correction_preset"):
+        return f"--rollout-correction-preset {get(args, 'rollout_correction_preset')}"
+    rs_level = get(args, "rs_level")
+    if rs_level is not None and rs_level not in LEVELS:
+        return f"rs_level={rs_level!r}"
+    for key in ("rs_upper_bound", "rs_lower_bound"):
+        value = get(args, key)
+        if isinstance(value, str) and ("_" in value or "," in value):
+            return f"{key}={value!r}"
+    return None
+
+
+def _engine_config(args):
+    from slime_rc.settings import Layer, preset_layer, resolve
+
+    layers = []
+    preset = get(args, "rollout_correction_preset")
+    if preset:
+        layers.append(preset_layer(preset))
+    keys = {k: get(args, k) for k in MIS_KEYS if get(args, k) is not None}
+    layers.append(Layer.from_mapping(keys, kind="yaml", where="slime's args"))
+    return resolve(layers).config
+
+
+@functools.lru_cache(maxsize=None)
+def _note_engine(reason: str) -> None:
+    warnings.warn(f"slime-rc: {reason} goes beyond slime's example mis.py; custom_tis.mis applies slime-rc's engine "
+                  f"(its semantics and metric names, docs/slime.md) for these settings.", UserWarning, stacklevel=4)
+
+
+@functools.lru_cache(maxsize=16)
+def check_shared_yaml(path: Optional[str]) -> None:
+    """slime copies ONE YAML onto ``args`` for every plugin: keys slime-rc does not know are someone else's and are
+    ignored, but a near-miss of one of ours (``tis_uper_bound``) is refused, naming the closest key."""
+    if not path or not os.path.isfile(str(path)):
+        return
+    import yaml
+
+    from slime_rc.settings import SPELLINGS, near_miss
+
+    with open(path) as f:
+        data = yaml.safe_load(f)
+    if not isinstance(data, dict):
+        return
+    ours = list(dict.fromkeys(list(MIS_KEYS) + list(SPELLINGS)))
+    for key in data:
+        close = near_miss(str(key), ours)
+        if close:
+            raise ValueError(f"--custom-config-path {path}: key {key!r} is not a slime-rc key; did you mean "
+                             f"{close!r}? (keys of other plugins are ignored; this one is one edit away from ours)")

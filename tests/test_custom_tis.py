@@ -1,4 +1,8 @@
-"""Single-process tests of the slime-compatible adapters in ``custom_tis`` (mis / tis / icepop)."""
+"""Single-process tests of the slime-compatible adapters in ``custom_tis`` (mis / tis / icepop).
+
+slime's semantics on slime's keys are checked against a reference over the whole settings grid in
+tests/test_slime_contract.py; here: slime-rc's engine through the same contract (a config resolved at launch,
+``args.rollout_correction_config``), the list format, hand formulas and slime's built-ins' simple cases."""
 
 import math
 from types import SimpleNamespace as NS
@@ -7,12 +11,10 @@ import pytest
 import torch
 
 import custom_tis
-from custom_tis import _contract
 from custom_tis.icepop import compute_icepop_weights, compute_icepop_weights_with_cp
 from custom_tis.mis import compute_mis_weights, compute_mis_weights_with_cp
 from custom_tis.tis import compute_tis_weights, compute_tis_weights_with_cp
 from slime_rc import LocalReducer, RolloutCorrectionConfig, compute_rollout_correction, cu_seqlens_from_lengths
-from slime_rc.cp_layout import zigzag_response_indices
 
 REQUIRED_METRICS = ("training_log_ppl", "training_ppl", "rollout_log_ppl", "rollout_ppl", "kl", "k3_kl",
                     "log_ppl_diff", "log_ppl_abs_diff", "ppl_ratio", "chi2_token", "chi2_seq")
@@ -40,6 +42,11 @@ def masked_mean(x, m):
     return float((x.double() * m).sum() / m.sum().clamp(min=1))
 
 
+def launched(settings: dict) -> NS:
+    """args as slime-rc's own launch leaves them: the config resolved once (engine semantics)."""
+    return NS(rollout_correction_config=RolloutCorrectionConfig.from_dict(settings))
+
+
 def call(fn, args, batch):
     train, rollout, masks = batch
     return fn(args, train_log_probs=train, rollout_log_probs=rollout, loss_masks=masks)
@@ -62,7 +69,7 @@ MIS_CASES = [
 @pytest.mark.parametrize("case", MIS_CASES, ids=lambda c: f"{c.get('tis_level')}-{c.get('tis_mode')}-{c.get('rs_level')}")
 def test_mis_equals_engine_packed_result(case):
     batch = make_batch(1)
-    weights, masks, metrics = call(compute_mis_weights, NS(**case), batch)
+    weights, masks, metrics = call(compute_mis_weights, launched(case), batch)
     result = engine(RolloutCorrectionConfig.from_dict(case), *batch)
     lengths = [t.numel() for t in batch[0]]
     if result.is_weights is None:
@@ -91,7 +98,7 @@ def test_metrics_aggregate_to_engine_batch_metrics():
     """slime's aggregation of the per-token metrics reproduces the engine's batch metrics."""
     batch = make_batch(2, lengths=(6, 11, 3, 8, 5))
     args = dict(use_tis=True, tis_level="token", tis_mode="mask", tis_lower_bound=0.7, tis_upper_bound=1.3)
-    _, _, metrics = call(compute_mis_weights, NS(**args), batch)
+    _, _, metrics = call(compute_mis_weights, launched(args), batch)
     result = engine(RolloutCorrectionConfig.from_dict(args), *batch)
     masks = batch[2]
     mask = torch.cat(masks).double()
@@ -110,7 +117,7 @@ def test_metrics_aggregate_to_engine_batch_metrics():
 # ---- slime format ------------------------------------------------------------------------------------------------
 def test_slime_format_lists_in_lists_out():
     batch = make_batch(3, lengths=(2, 5, 1))
-    weights, masks, metrics = call(compute_mis_weights, NS(use_tis=True, tis_level="geometric"), batch)
+    weights, masks, metrics = call(compute_mis_weights, launched(dict(use_tis=True, tis_level="geometric")), batch)
     assert isinstance(weights, list) and isinstance(masks, list) and isinstance(metrics, dict)
     assert [w.shape for w in weights] == [m.shape for m in masks] == [t.shape for t in batch[0]]
     assert set(REQUIRED_METRICS) <= set(metrics)
@@ -161,7 +168,7 @@ def test_mis_aliases_equal_tis_spelling():
     a, b = call(compute_mis_weights, slime, batch), call(compute_mis_weights, ours, batch)
     assert all(torch.equal(x, y) for x, y in zip(a[0], b[0]))
     assert all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
-    assert a[2].keys() == b[2].keys() and "catastrophic_token_fraction" in a[2]
+    assert a[2].keys() == b[2].keys() and "rs_catastrophic_token_fraction" in a[2]
     # and the aliases really took effect: mask mode removed some tokens
     assert sum(float(m.sum()) for m in a[1]) < sum(float(m.sum()) for m in batch[2])
 
@@ -188,7 +195,8 @@ def test_use_tis_false_gives_none_weights():
 def test_rs_only_rejects_without_weights():
     batch = make_batch(9, noise=0.6)
     weights, masks, metrics = call(compute_mis_weights,
-                                   NS(use_tis=False, use_rs=True, rs_level="token", rs_upper_bound=1.5), batch)
+                                   launched(dict(use_tis=False, use_rs=True, rs_level="token", rs_upper_bound=1.5)),
+                                   batch)
     assert weights is None
     for m, t, r, mm in zip(masks, *batch):
         ratio = (t - r).exp()
@@ -201,7 +209,7 @@ def test_veto_zeroes_a_samples_mask():
     rollout[1] = rollout[1].clone()
     rollout[1][0] = train[1][0] + 8.0  # ratio e^-8 on a loss token: catastrophic
     weights, new_masks, metrics = compute_mis_weights(
-        NS(use_tis=True, tis_level="token", rs_veto_threshold=1e-3),
+        launched(dict(use_tis=True, tis_level="token", rs_veto_threshold=1e-3)),
         train_log_probs=train, rollout_log_probs=rollout, loss_masks=masks)
     assert float(new_masks[1].sum()) == 0 and float(weights[1].abs().sum()) == 0
     for i in (0, 2, 3):
@@ -214,7 +222,8 @@ def test_veto_zeroes_a_samples_mask():
 
 def test_sequence_level_ratio_indicators_broadcast():
     batch = make_batch(11, noise=0.4)
-    _, _, metrics = call(compute_mis_weights, NS(use_tis=True, tis_level="sequence", tis_upper_bound=1.5), batch)
+    _, _, metrics = call(compute_mis_weights, launched(dict(use_tis=True, tis_level="sequence", tis_upper_bound=1.5)),
+                         batch)
     for i, (t, r, m) in enumerate(zip(*batch)):
         s = float((t.double() - r.double())[m.bool()].sum())
         assert metrics["is_ratio_fraction_high"][i].tolist() == [float(s > math.log(1.5))] * t.numel()
@@ -226,7 +235,7 @@ def test_shape_mismatch_raises():
     with pytest.raises(ValueError, match="sample 1"):
         compute_mis_weights(NS(use_tis=True), train_log_probs=train, rollout_log_probs=rollout,
                             loss_masks=[masks[0], masks[1][:-1]] + masks[2:])
-    with pytest.raises(ValueError, match="one tensor per sample"):
+    with pytest.raises(ValueError, match="one entry per sample in every list"):
         compute_mis_weights(NS(use_tis=True), train_log_probs=train, rollout_log_probs=rollout[:-1],
                             loss_masks=masks)
 
@@ -236,7 +245,7 @@ def test_tis_truncate_has_no_lower_bound():
     batch = make_batch(13, noise=1.0)
     weights, masks, _ = call(compute_tis_weights, NS(tis_clip=1.5, tis_clip_low=0), batch)
     for w, m, t, r, mm in zip(weights, masks, *batch):
-        assert torch.allclose(w, (t - r).exp().clamp(max=1.5) * mm, rtol=1e-6)
+        assert torch.allclose(w * mm, (t - r).exp().clamp(max=1.5) * mm, rtol=1e-6)
         assert torch.equal(m, mm)  # no rejection
     assert min(float(w[mm.bool()].min()) for w, mm in zip(weights, batch[2])) < 1 / 1.5
 
@@ -247,7 +256,7 @@ def test_tis_clip_mode_with_lower_bound():
     flat = torch.cat(weights)[torch.cat(batch[2]).bool()]
     assert float(flat.min()) == pytest.approx(0.8) and float(flat.max()) == pytest.approx(1.2)
     for w, m, t, r, mm in zip(weights, masks, *batch):
-        assert torch.allclose(w, (t - r).exp().clamp(0.8, 1.2) * mm, rtol=1e-6)
+        assert torch.allclose(w * mm, (t - r).exp().clamp(0.8, 1.2) * mm, rtol=1e-6)
         assert torch.equal(m, mm)
 
 
@@ -262,30 +271,32 @@ def test_tis_defaults_and_extreme_ratios_not_rejected():
 
 
 # ---- IcePop --------------------------------------------------------------------------------------------------------
-def test_icepop_zeroes_out_of_band_tokens_and_masks_them():
+def test_icepop_zeroes_out_of_band_tokens_and_keeps_masks():
+    """slime's icepop_function: weight 0 outside [tis_clip_low, tis_clip]; the masks come back unchanged, so the
+    token stays in slime's denominators with a zero numerator."""
     batch = make_batch(16, noise=0.6)
-    weights, masks, metrics = call(compute_icepop_weights, NS(tis_lower_bound=0.8, tis_upper_bound=1.25), batch)
+    weights, masks, metrics = call(compute_icepop_weights, NS(tis_clip_low=0.8, tis_clip=1.25), batch)
     n_out = 0
     for w, m, t, r, mm in zip(weights, masks, *batch):
         ratio = (t - r).exp()
         inside = (ratio >= 0.8) & (ratio <= 1.25)
-        assert torch.equal(m, (mm.bool() & inside).float())
-        assert torch.allclose(w, torch.where(inside, ratio, 0.0) * mm, rtol=1e-6)
+        assert torch.equal(m, mm)
+        assert torch.allclose(w, torch.where(inside, ratio, 0.0), rtol=1e-6)
         n_out += int((mm.bool() & ~inside).sum())
     assert n_out > 0
-    assert sum(float(v.sum()) for v in metrics["rejected_token_fraction"]) == n_out
+    assert sum(float((v * mm).sum()) for v, mm in zip(metrics["tis_clipfrac"], batch[2])) == n_out
 
 
-def test_icepop_default_bounds():
+def test_icepop_default_band_is_slimes_flag_defaults():
+    """--tis-clip 2.0 and --tis-clip-low 0: only ratios above 2 are zeroed."""
     train, rollout, masks = make_batch(17, noise=0.01)
-    masks = [torch.ones_like(m) for m in masks]
     rollout[0] = rollout[0].clone()
-    rollout[0][:3] = train[0][:3] - torch.tensor([math.log(1.9), math.log(2.1), -math.log(0.45)])
-    weights, new_masks, _ = compute_icepop_weights(NS(tis_lower_bound=None), train_log_probs=train,
+    rollout[0][:3] = train[0][:3] - torch.tensor([math.log(1.9), math.log(2.1), math.log(0.01)])
+    weights, new_masks, _ = compute_icepop_weights(NS(tis_clip=None), train_log_probs=train,
                                                    rollout_log_probs=rollout, loss_masks=masks)
-    assert new_masks[0][:3].tolist() == [1.0, 0.0, 0.0]
-    assert float(weights[0][0]) == pytest.approx(1.9, rel=1e-5) and weights[0][1:3].tolist() == [0.0, 0.0]
-    assert all(float(m.sum()) == m.numel() for m in new_masks[1:])
+    assert float(weights[0][0]) == pytest.approx(1.9, rel=1e-5) and float(weights[0][1]) == 0.0
+    assert float(weights[0][2]) == pytest.approx(0.01, rel=1e-4)
+    assert all(torch.equal(a, b) for a, b in zip(new_masks, masks))
 
 
 # ---- *_with_cp ---------------------------------------------------------------------------------------------------
@@ -293,7 +304,7 @@ WITH_CP = [
     (compute_mis_weights, compute_mis_weights_with_cp, NS(use_tis=True, tis_level="geometric", tis_mode="mask",
                                                          tis_lower_bound=0.9, tis_upper_bound=1.1)),
     (compute_tis_weights, compute_tis_weights_with_cp, NS(tis_clip=1.3, tis_clip_low=0.7)),
-    (compute_icepop_weights, compute_icepop_weights_with_cp, NS(tis_lower_bound=0.7, tis_upper_bound=1.4)),
+    (compute_icepop_weights, compute_icepop_weights_with_cp, NS(tis_clip_low=0.7, tis_clip=1.4)),
 ]
 
 
@@ -308,6 +319,7 @@ def test_with_cp_size_one_equals_non_cp(plain, with_cp, args):
                                         response_lengths=lengths, unrelated_kwarg=1)
     assert torch.equal(out, pg_loss * torch.cat(weights))
     assert all(torch.equal(a, b) for a, b in zip(cp_masks, new_masks))
+    cp_metrics = {k.removeprefix("mis_"): v for k, v in cp_metrics.items()}  # slime's example prefixes in CP only
     assert cp_metrics.keys() == metrics.keys()
     for name in metrics:
         assert cp_metrics[name].dim() == 1 and torch.equal(cp_metrics[name], torch.cat(metrics[name])), name
@@ -322,7 +334,7 @@ def test_with_cp_is_off_returns_pg_loss_unchanged():
         total_lengths=[n + 3 for n in lengths], response_lengths=lengths)
     assert torch.equal(out, pg_loss)
     assert all(torch.equal(a, b) for a, b in zip(cp_masks, masks))
-    assert metrics["kl"].shape == pg_loss.shape
+    assert metrics["mis_kl"].shape == pg_loss.shape
 
 
 def test_with_cp_weights_are_detached_and_gradient_flows():
@@ -335,65 +347,6 @@ def test_with_cp_weights_are_detached_and_gradient_flows():
     out.sum().backward()
     weights, _, _ = compute_tis_weights(NS(), train_log_probs=train, rollout_log_probs=rollout, loss_masks=masks)
     assert torch.equal(pg_loss.grad, torch.cat(weights))
-
-
-def test_with_cp_zigzag_slicing_of_masks_and_tokens():
-    """Token-level weights need no sequence statistics: each CP rank's local result, scattered back through
-    the zigzag layout, must rebuild the full-batch result."""
-    train, rollout, masks = make_batch(21, lengths=(13, 6, 20), noise=0.5)
-    resp = [t.numel() for t in train]
-    totals = [n + p for n, p in zip(resp, (4, 9, 1))]
-    args = NS(tis_lower_bound=0.75, tis_upper_bound=1.3)
-    full_w, full_m, _ = compute_icepop_weights(args, train_log_probs=train, rollout_log_probs=rollout,
-                                               loss_masks=masks)
-    cp_size = 2
-    got_w = [torch.full_like(t, float("nan")) for t in train]
-    got_m = [torch.full_like(t, float("nan")) for t in train]
-    for rank in range(cp_size):
-        idx = [zigzag_response_indices(T, R, cp_size, rank) for T, R in zip(totals, resp)]
-        local_t = [t[i] for t, i in zip(train, idx)]
-        local_r = [r[i] for r, i in zip(rollout, idx)]
-        pg = torch.ones(sum(len(i) for i in idx))
-        out, local_masks, metrics = _contract.correct_samples_with_cp(
-            custom_tis.icepop.icepop_config(args), pg_loss=pg, train_log_probs=local_t, rollout_log_probs=local_r,
-            loss_masks=masks, total_lengths=totals, response_lengths=resp, cp=(cp_size, rank, LocalReducer()))
-        assert [m.numel() for m in local_masks] == [len(i) for i in idx]
-        assert metrics["kl"].numel() == pg.numel()
-        for s, i in enumerate(idx):
-            assert torch.equal(local_masks[s], (masks[s][i].bool() & (local_masks[s] > 0)).float())
-            got_m[s][i] = local_masks[s]
-        for s, w in enumerate(out.split([len(i) for i in idx])):
-            got_w[s][idx[s]] = w
-    for s in range(len(train)):
-        assert torch.equal(got_m[s], full_m[s]) and torch.equal(got_w[s], full_w[s])
-
-
-def test_with_cp_reads_megatron_parallel_state(monkeypatch):
-    """With torch.distributed and megatron parallel_state initialized, *_with_cp takes the CP size/rank from
-    megatron and the reducer from megatron_reducer(data_parallel=False)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    import slime_rc.reducer
-
-    calls = []
-    monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(ps, "model_parallel_is_initialized", lambda: True)
-    monkeypatch.setattr(ps, "get_context_parallel_world_size", lambda: 2)
-    monkeypatch.setattr(ps, "get_context_parallel_rank", lambda: 1)
-    monkeypatch.setattr(slime_rc.reducer, "megatron_reducer",
-                        lambda **kw: calls.append(kw) or LocalReducer())
-    train, rollout, masks = make_batch(22, lengths=(10, 7), noise=0.2)
-    resp, totals = [10, 7], [14, 9]
-    idx = [zigzag_response_indices(T, R, 2, 1) for T, R in zip(totals, resp)]
-    assert [len(i) for i in idx] != resp  # rank 1 holds only part of each sequence
-    out, local_masks, _ = compute_tis_weights_with_cp(
-        NS(), pg_loss=torch.ones(sum(len(i) for i in idx)), train_log_probs=[t[i] for t, i in zip(train, idx)],
-        rollout_log_probs=[r[i] for r, i in zip(rollout, idx)], loss_masks=masks, total_lengths=totals,
-        response_lengths=resp)
-    assert calls == [{"data_parallel": False}]
-    assert all(torch.equal(m, mm[i]) for m, mm, i in zip(local_masks, masks, idx))
-    assert out.numel() == sum(len(i) for i in idx)
 
 
 def test_with_cp_rejects_wrong_lengths():

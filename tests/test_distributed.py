@@ -297,9 +297,12 @@ def _mis_checks(samples, dp_size, dp_rank, cp_size, cp_rank) -> dict:
                 args, train_log_probs=[s["train"] for s in block], rollout_log_probs=[s["rollout"] for s in block],
                 loss_masks=[s["mask"] for s in block])
             cut = (lambda lst: torch.cat([t[i] for t, i in zip(lst, sh["idx"])]) if lst else torch.zeros(0))
-            case["cp"] = dict(pg_loss=pg_out.detach().clone(), masks=torch.cat(list(masks_cp)),
-                              metrics={k: v.clone() for k, v in metrics_cp.items()})
-            case["ref"] = dict(pg_loss=pg_loss * (cut(weights) if weights is not None else 1.0), masks=cut(masks),
+            # masks come back at full response length (slime cuts its own positions); metrics of slime's
+            # semantics carry slime's mis_ prefix in the CP form only, as in slime's example
+            case["cp"] = dict(pg_loss=pg_out.detach().clone(), masks=cut(list(masks_cp)).float(),
+                              metrics={k.removeprefix("mis_"): v.clone() for k, v in metrics_cp.items()})
+            case["ref"] = dict(pg_loss=pg_loss * (cut(weights) if weights is not None else 1.0),
+                               masks=cut(masks).float(),
                                metrics={k: cut(v) for k, v in metrics.items()})
         except Exception as e:  # noqa: BLE001
             case["error"] = f"{type(e).__name__}: {e}"

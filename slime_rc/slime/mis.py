@@ -1,0 +1,250 @@
+"""slime's example ``mis.py`` semantics over packed CP-local tokens, with O(B) reductions.
+
+Inputs are this rank's tokens of ``B`` sequences, packed: ``train``, ``rollout`` ``[N]`` log-probs, ``mask``
+``[N]`` 0/1 (the ORIGINAL loss mask), ``cu_seqlens`` ``[B+1]``.  Under context parallelism every rank holds a
+piece of every sequence; the per-sequence sums and extremes below are combined over the CP group with ONE
+``reducer.combine_sequences`` call (``B x k`` float64 values), so no sequence is gathered.
+
+Per token ``lr = log pi_train - log pi_rollout``; ``exp`` always acts on ``clamp(., -20, 20)`` (slime's
+SAFETY_BOUND).  With ``n_i = sum mask``, ``S_i = sum lr * mask`` (masked sums over the whole sequence):
+
+* IS (``use_tis``): the level's log-ratio ``lr`` / ``S_i`` / ``S_i / max(n_i, 1)``; ``w0 = exp(clamp(.))``;
+  truncate ``min(w0, U) * mask``, clip ``clamp(w0, L, U) * mask``, mask ``w0 * mask`` with tokens outside
+  ``[L, U]`` removed from the mask.  Without ``use_tis`` the weights are 1.
+* RS (``use_rs``): the RS level's ratio must lie in ``[rs_lower, rs_upper]``, else the token (token level) or
+  sequence is removed from the mask.  Veto: a sequence holding a loss token with ``lr < log(veto)`` (unclamped)
+  is removed.
+* Batch normalization: token level ``mean = sum_i sum_t w * mask / max(sum_i n_i, 1)``; sequence and geometric
+  level ``mean = mean_i masked_mean(w_i)`` over the call's sequences.  Both use the ORIGINAL mask and the
+  bounded weights of rejected tokens too (slime's choice; per micro-batch, since slime calls once per
+  micro-batch).  Weights are divided by ``mean`` when ``mean > 1e-8``.
+
+The IS weight returned for a rejected token is its bounded weight (as slime returns it); the returned keep mask
+is what removes it from the loss.  Metrics are slime's, per token, for slime's original-mask per-sample mean.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import torch
+
+from ..packed import segment_max, segment_sum
+from ..reducer import LocalReducer, as_reducer
+from .settings import SlimeMisSettings
+
+# slime's metric names (the CP form returns them with slime's ``mis_`` prefix), in slime's order; which appear
+# depends on the settings (docs/slime.md).
+MISMATCH_METRICS = ("training_log_ppl", "training_ppl", "rollout_log_ppl", "rollout_ppl", "kl", "k3_kl",
+                    "log_ppl_diff", "log_ppl_abs_diff", "ppl_ratio", "chi2_token", "chi2_seq")
+CORRECTION_METRICS = ("tis_weight_before_bound", "tis_truncate_fraction", "tis_clip_fraction_low",
+                      "tis_clip_fraction_high", "tis_mask_fraction_low", "tis_mask_fraction_high",
+                      "tis_weight_after_bound", "rs_mask_fraction_low", "rs_mask_fraction_high",
+                      "rs_catastrophic_token_fraction", "rs_catastrophic_seq_fraction", "is_ratio_mean_after_tis_rs",
+                      "batch_norm_factor", "is_ratio_mean_final", "is_ratio_min_final", "is_ratio_max_final")
+SLIME_METRICS = MISMATCH_METRICS + CORRECTION_METRICS
+
+SAFETY_BOUND = 20.0
+_NORM_FLOOR = 1e-8  # slime divides by the batch mean only above this
+_PPL_EXP_MAX = 80.0  # exp of a float32 perplexity overflows past ~88: keep the metric finite
+
+
+@dataclass
+class SlimeMisResult:
+    """``weights``: ``[N]`` float32 final IS weights (None without IS); ``keep``: ``[N]`` float32 0/1, the modified
+    loss mask of this rank's tokens; ``seq_keep``: ``[B]`` bool, False for sequences rejected as a whole (veto,
+    sequence-level RS or mask mode), known on every rank; ``metrics``: slime's names (no ``mis_`` prefix) ->
+    ``[N]`` float32 per-token values (0 where the mask is 0)."""
+
+    weights: Optional[torch.Tensor]
+    keep: torch.Tensor
+    seq_keep: torch.Tensor
+    metrics: Dict[str, torch.Tensor]
+
+
+class NonFiniteLogProbs(ValueError):
+    """A non-finite log-prob on a loss token (slime's example would put NaN into the loss)."""
+
+
+def _level_log_ratio(level: str, lr: torch.Tensor, s: torch.Tensor, n_safe: torch.Tensor):
+    """``(per-token, per-sequence or None)`` log-ratio of ``level``."""
+    if level == "token":
+        return lr, None
+    return None, s if level == "sequence" else s / n_safe
+
+
+def slime_mis(settings: SlimeMisSettings, train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor,
+              cu_seqlens: torch.Tensor, *, reducer: Optional[LocalReducer] = None,
+              describe_token=None) -> SlimeMisResult:
+    """slime's mis computation for packed tokens (see the module docstring).
+
+    ``describe_token(j) -> str``: names packed index ``j`` (sample and response position) for the error raised on
+    a non-finite log-prob of a loss token; every rank of the CP group raises, none waits in a collective.
+    """
+    s = settings
+    reducer = as_reducer(reducer)
+    dev = train.device
+    n_tokens, n_seqs = train.numel(), cu_seqlens.numel() - 1
+    # token -> its sequence, once; each broadcast below is then a gather
+    seq_of_token = torch.searchsorted(cu_seqlens[1:], torch.arange(n_tokens, device=dev), right=True)
+    per_tok = (lambda v: v.index_select(0, seq_of_token))
+
+    train, rollout = train.detach().float(), rollout.detach().float()
+    m_bool = mask != 0
+    m = m_bool.float()
+    lr = train - rollout
+    finite = torch.isfinite(lr)
+    bad = m_bool & ~finite
+    lr = torch.where(finite, lr, 0.0)  # values off the loss mask never reach a sum; NaN * 0 would
+    lr_c = lr.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    rho = torch.exp(lr_c)
+
+    # ---- per-sequence pieces, combined over the CP group in one collective --------------------------------------
+    sums = {
+        "n": m,
+        "lr": lr * m,
+        "train": torch.where(m_bool & torch.isfinite(train), train, 0.0),
+        "rollout": torch.where(m_bool & torch.isfinite(rollout), rollout, 0.0),
+        "rho2": rho * rho * m,
+        "bad": bad.float(),
+    }
+    if s.veto is not None:
+        catastrophic = m_bool & (lr < math.log(s.veto))
+        sums["veto"] = catastrophic.float()
+    token_is = s.use_tis and s.tis_level == "token"
+    maxes = {}
+    if token_is:
+        w0_tok = rho
+        w_tok = {"truncate": lambda: w0_tok.clamp(0, s.tis_upper), "clip": lambda: w0_tok.clamp(s.tis_lower,
+                 s.tis_upper), "mask": lambda: w0_tok}[s.tis_mode]() * m
+        sums["w"] = w_tok
+        maxes["w_max"] = torch.where(m_bool, w_tok, -math.inf)
+        maxes["w_neg_min"] = torch.where(m_bool, -w_tok, -math.inf)
+    zeros = torch.zeros(n_seqs, 0, dtype=torch.float64, device=dev)
+    local_sums = torch.stack([segment_sum(v, cu_seqlens) for v in sums.values()], 1)
+    local_maxes = torch.stack([segment_max(v, cu_seqlens) for v in maxes.values()], 1) if maxes else zeros
+    g_sums, g_maxes = reducer.combine_sequences(local_sums, local_maxes)
+    col = dict(zip(sums, g_sums.unbind(1)))
+    col.update(zip(maxes, g_maxes.unbind(1)))
+
+    bad_seqs = col["bad"] > 0
+    if bool(bad_seqs.any()):  # the one host read of this call; every CP rank sees the combined count
+        first = int(torch.nonzero(bad_seqs)[0, 0])
+        local = torch.nonzero(bad)
+        where = describe_token(int(local[0, 0])) if (local.numel() and describe_token) else \
+            f"sample {first} (its non-finite token is held by another context-parallel rank)"
+        raise NonFiniteLogProbs(
+            f"non-finite log-prob on a loss token: {where}. slime's example would put NaN into pg_loss; fix the "
+            f"log-prob source (SGLang reports NaN/inf as null) or mask such tokens out of loss_masks.")
+
+    n = col["n"]
+    has = n > 0
+    n_safe = n.clamp(min=1)
+    S = col["lr"]
+    metrics: Dict[str, torch.Tensor] = {}
+
+    # ---- slime's add_ppl_metrics: per-sequence values broadcast, per-token values as they are -------------------
+    mean_train = col["train"] / n_safe
+    mean_rollout = col["rollout"] / n_safe
+    diff = mean_rollout - mean_train
+    for name, v in (
+            ("training_log_ppl", -mean_train),
+            ("training_ppl", torch.exp((-mean_train).clamp(max=_PPL_EXP_MAX))),
+            ("rollout_log_ppl", -mean_rollout),
+            ("rollout_ppl", torch.exp((-mean_rollout).clamp(max=_PPL_EXP_MAX))),
+            ("kl", None), ("k3_kl", None),
+            ("log_ppl_diff", diff), ("log_ppl_abs_diff", diff.abs()),
+            ("ppl_ratio", torch.exp(diff.clamp(-SAFETY_BOUND, SAFETY_BOUND))),
+            ("chi2_token", col["rho2"] / n_safe - 1),
+            ("chi2_seq", torch.exp(2 * S.clamp(-SAFETY_BOUND, SAFETY_BOUND)) - 1)):
+        metrics[name] = per_tok(v.float()) if v is not None else None
+    metrics["kl"] = -lr
+    metrics["k3_kl"] = rho - lr - 1
+
+    if not s.corrects:  # metrics only: slime returns the loss masks unchanged and no weights
+        return SlimeMisResult(None, m, torch.ones(n_seqs, dtype=torch.bool, device=dev), _masked(metrics, m))
+
+    # ---- IS weights ---------------------------------------------------------------------------------------------
+    keep = m
+    seq_keep = torch.ones(n_seqs, dtype=torch.bool, device=dev)
+    if s.use_tis:
+        tok_lr, seq_lr = _level_log_ratio(s.tis_level, lr, S, n_safe)
+        if token_is:
+            w0, w = rho, w_tok
+        else:
+            w0_seq = torch.exp(seq_lr.clamp(-SAFETY_BOUND, SAFETY_BOUND))
+            w_seq = {"truncate": lambda: w0_seq.clamp(0, s.tis_upper),
+                     "clip": lambda: w0_seq.clamp(s.tis_lower, s.tis_upper), "mask": lambda: w0_seq}[s.tis_mode]()
+            w0 = per_tok(w0_seq.float())
+            w = per_tok(w_seq.float()) * m
+        metrics["tis_weight_before_bound"] = w0
+        if s.tis_mode == "truncate":
+            metrics["tis_truncate_fraction"] = (w0 > s.tis_upper).float()
+        else:
+            kind = "clip" if s.tis_mode == "clip" else "mask"
+            metrics[f"tis_{kind}_fraction_low"] = (w0 < s.tis_lower).float()
+            metrics[f"tis_{kind}_fraction_high"] = (w0 > s.tis_upper).float()
+            if s.tis_mode == "mask":
+                keep = keep * ((w0 >= s.tis_lower) & (w0 <= s.tis_upper)).float()
+                if not token_is:
+                    seq_keep &= (w0_seq >= s.tis_lower) & (w0_seq <= s.tis_upper)
+        metrics["tis_weight_after_bound"] = w
+    else:
+        w = torch.ones_like(lr)
+
+    # ---- rejection: ratio band at the RS level, then the veto -----------------------------------------------------
+    if s.use_rs:
+        tok_lr, seq_lr = _level_log_ratio(s.rs_level, lr, S, n_safe)
+        if tok_lr is not None:
+            rs_w = torch.exp(tok_lr.clamp(-SAFETY_BOUND, SAFETY_BOUND))
+        else:
+            rs_w_seq = torch.exp(seq_lr.clamp(-SAFETY_BOUND, SAFETY_BOUND))
+            seq_keep &= (rs_w_seq >= s.rs_lower) & (rs_w_seq <= s.rs_upper)
+            rs_w = per_tok(rs_w_seq.float())
+        metrics["rs_mask_fraction_low"] = (rs_w < s.rs_lower).float()
+        metrics["rs_mask_fraction_high"] = (rs_w > s.rs_upper).float()
+        keep = keep * ((rs_w >= s.rs_lower) & (rs_w <= s.rs_upper)).float()
+    if s.veto is not None:
+        vetoed = col["veto"] > 0
+        seq_keep &= ~vetoed
+        metrics["rs_catastrophic_token_fraction"] = catastrophic.float()
+        metrics["rs_catastrophic_seq_fraction"] = per_tok(vetoed.float())
+        keep = keep * per_tok((~vetoed).float())
+    metrics["is_ratio_mean_after_tis_rs"] = w
+
+    # ---- batch normalization over the call's sequences (original mask, rejected tokens included) ---------------
+    if token_is:
+        seq_w_sum = col["w"]
+    elif s.use_tis:
+        seq_w_sum = w_seq * n
+    else:
+        seq_w_sum = n  # weights of 1
+    norm = None
+    if s.batch_normalize:
+        if not s.use_tis or s.tis_level == "token":
+            mean = seq_w_sum.sum() / n.sum().clamp(min=1)
+        else:
+            mean = (seq_w_sum / n_safe).sum() / max(n_seqs, 1)
+        norm = torch.where(mean > _NORM_FLOOR, mean, torch.ones_like(mean))
+        w = w / norm.float()
+        metrics["batch_norm_factor"] = norm.float().expand(n_tokens)
+    scale = 1.0 if norm is None else norm
+    if token_is:
+        w_min, w_max = -col["w_neg_min"], col["w_max"]
+    elif s.use_tis:
+        w_min = w_max = w_seq
+    else:
+        w_min = w_max = torch.ones_like(n)
+    zero = torch.zeros_like(n)
+    metrics["is_ratio_mean_final"] = per_tok((seq_w_sum / n_safe / scale).float())
+    metrics["is_ratio_min_final"] = per_tok(torch.where(has, w_min / scale, zero).float())
+    metrics["is_ratio_max_final"] = per_tok(torch.where(has, w_max / scale, zero).float())
+    return SlimeMisResult(w.float() if s.use_tis else None, keep, seq_keep, _masked(metrics, m))
+
+
+def _masked(metrics: Dict[str, torch.Tensor], m: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """Zero off the loss mask: slime multiplies by the mask, and a value there must not be inf (inf * 0 = NaN)."""
+    keep = m != 0
+    return {k: torch.where(keep, v, 0.0).detach() for k, v in metrics.items()}

@@ -1,0 +1,164 @@
+"""slime's mis keys read off slime's ``args``, with the defaults and meaning of slime's example ``mis.py``.
+
+slime sets every key of ``--custom-config-path`` (its YAML) as an attribute of ``args`` after parsing, and our
+parser hook (:func:`slime_rc.add_rollout_correction_arguments`) puts the flags slime lacks on the same attributes.
+So the adapters read one place: ``args.use_tis``, ``args.tis_level``, ... (missing or None = unset).
+
+Defaults and rules (slime's ``examples/train_infer_mismatch_helper/mis.py`` at 624b824a8):
+
+* ``tis_level`` token, ``tis_mode`` truncate, ``tis_upper_bound`` 2.0 (mis.py has no default and fails on None;
+  2.0 is its YAML's value and slime's ``--tis-clip`` default), ``tis_lower_bound`` ``1 / tis_upper_bound``;
+* ``rs_level`` defaults to ``tis_level``; unset RS bounds are the IS bounds (``rs_lower_bound`` ->
+  ``tis_lower_bound`` -> ``1 / tis_upper_bound``; ``rs_upper_bound`` -> ``tis_upper_bound``);
+* bounds must satisfy lower < upper where a band is used (mis.py asserts it).
+
+Where slime's example silently does less than what the user wrote, slime-rc does what was written and warns once
+per process, naming slime's behaviour (:data:`DEFECTS`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+LEVELS = ("token", "sequence", "geometric")
+MODES = ("truncate", "clip", "mask")
+
+# slime's mis keys, and the older ``mis_*`` spellings of the first ones (slime's earlier mis.yaml).
+BOOL_KEYS = ("use_tis", "use_rs", "tis_batch_normalize")
+CHOICE_KEYS = {"tis_level": LEVELS, "rs_level": LEVELS, "tis_mode": MODES}
+NUMBER_KEYS = ("tis_lower_bound", "tis_upper_bound", "rs_lower_bound", "rs_upper_bound", "rs_veto_threshold")
+MIS_KEYS = BOOL_KEYS + tuple(CHOICE_KEYS) + NUMBER_KEYS
+ALIASES = {"mis_level": "tis_level", "mis_mode": "tis_mode", "mis_lower_bound": "tis_lower_bound",
+           "mis_upper_bound": "tis_upper_bound", "mis_veto_threshold": "rs_veto_threshold",
+           "mis_batch_normalize": "tis_batch_normalize"}
+
+DEFECTS = {
+    "rs_without_tis": (
+        "use_rs=true without use_tis: slime's example mis.py returns before rejection sampling, so it silently "
+        "rejects nothing. slime-rc applies the rejection you configured (IS weights stay 1)."),
+    "veto_without_rs": (
+        "rs_veto_threshold={veto} without use_rs: slime's example mis.py ignores the veto unless use_rs is true. "
+        "slime-rc applies the veto (a sequence with a token ratio below the threshold is rejected)."),
+    "geometric_batch_normalize": (
+        "tis_batch_normalize with tis_level=geometric: slime's example mis.py raises 'Unsupported tis_level: "
+        "geometric'. slime-rc normalizes the geometric weights as it does sequence weights (the mean over the "
+        "micro-batch's sequences of each sequence's weight)."),
+}
+_warned: set = set()
+
+
+def warn_once(key: str, **fmt: Any) -> None:
+    """Warn about slime-rc differing from slime on purpose, once per process and difference."""
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn("slime-rc: " + DEFECTS[key].format(**fmt), UserWarning, stacklevel=3)
+
+
+@dataclass(frozen=True)
+class SlimeMisSettings:
+    """slime's mis settings with every default resolved.  Bounds are on ``r = pi_train / pi_rollout``."""
+
+    use_tis: bool = False
+    use_rs: bool = False
+    tis_level: str = "token"
+    tis_mode: str = "truncate"
+    tis_lower: float = 0.5
+    tis_upper: float = 2.0
+    rs_level: str = "token"
+    rs_lower: float = 0.5
+    rs_upper: float = 2.0
+    veto: Optional[float] = None
+    batch_normalize: bool = False
+
+    @property
+    def corrects(self) -> bool:
+        """Anything beyond metrics: IS weights, rejection or veto (slime-rc also runs RS/veto without IS)."""
+        return self.use_tis or self.use_rs or self.veto is not None
+
+
+def get(args: Any, name: str) -> Any:
+    """``args.name`` (``args[name]`` for a mapping); None when missing."""
+    return args.get(name) if isinstance(args, Mapping) else getattr(args, name, None)
+
+
+def raw_mis_keys(args: Any) -> Tuple[Tuple[str, Any], ...]:
+    """The mis keys ``args`` sets (not None), ``mis_*`` aliases folded into slime's names; a conflict between an
+    alias and its key is an error."""
+    out: Dict[str, Any] = {}
+    for key in MIS_KEYS:
+        value = get(args, key)
+        if value is not None:
+            out[key] = value
+    for alias, key in ALIASES.items():
+        value = get(args, alias)
+        if value is None:
+            continue
+        if key in out and out[key] != value:
+            raise ValueError(f"both {key}={out[key]!r} and its older spelling {alias}={value!r} are set; keep "
+                             f"{key}.")
+        out[key] = value
+    return tuple(sorted(out.items()))
+
+
+def _number(key: str, value: Any, *, positive: bool = True) -> float:
+    if isinstance(value, str):
+        raise ValueError(
+            f"{key}={value!r} is a string, not a number. slime reads its YAML with yaml.safe_load, which keeps "
+            f"quoted values and exponents without a dot (1e-4) as strings: write {key}: 2.0 or 1.0e-4.")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{key}={value!r} must be a number (e.g. {key}: 2.0).")
+    value = float(value)
+    if not math.isfinite(value) or (positive and value <= 0):
+        raise ValueError(f"{key}={value!r} must be a finite number > 0.")
+    return value
+
+
+@functools.lru_cache(maxsize=64)
+def settings_from_keys(keys: Tuple[Tuple[str, Any], ...]) -> SlimeMisSettings:
+    """Validate slime's mis keys (``(key, value)`` pairs as :func:`raw_mis_keys` gives them) and fill slime's
+    defaults.  Cached: slime calls the TIS function once per micro-batch with the same ``args``."""
+    d = dict(keys)
+    for key in BOOL_KEYS:
+        if key in d and not isinstance(d[key], bool):
+            raise ValueError(f"{key}={d[key]!r} must be true or false (a YAML boolean, unquoted).")
+    for key, choices in CHOICE_KEYS.items():
+        if key in d and d[key] not in choices:
+            import difflib
+            close = difflib.get_close_matches(str(d[key]), choices, n=1)
+            raise ValueError(f"{key}={d[key]!r} is not one of {', '.join(choices)} (slime's mis.py levels/modes)."
+                             + (f" Did you mean {close[0]!r}?" if close else ""))
+    num = {k: _number(k, d[k]) for k in NUMBER_KEYS if k in d}
+    tis_upper = num.get("tis_upper_bound", 2.0)
+    tis_lower = num.get("tis_lower_bound", 1.0 / tis_upper)
+    tis_level = d.get("tis_level", "token")
+    tis_mode = d.get("tis_mode", "truncate")
+    s = SlimeMisSettings(
+        use_tis=d.get("use_tis", False), use_rs=d.get("use_rs", False), tis_level=tis_level, tis_mode=tis_mode,
+        tis_lower=tis_lower, tis_upper=tis_upper, rs_level=d.get("rs_level", tis_level),
+        rs_lower=num.get("rs_lower_bound", tis_lower), rs_upper=num.get("rs_upper_bound", tis_upper),
+        veto=num.get("rs_veto_threshold"), batch_normalize=d.get("tis_batch_normalize", False))
+    if s.use_tis and s.tis_mode in ("clip", "mask") and not s.tis_lower < s.tis_upper:
+        raise ValueError(f"tis_lower_bound={s.tis_lower} must be < tis_upper_bound={s.tis_upper} for "
+                         f"tis_mode={s.tis_mode!r}.")
+    if s.use_rs and not s.rs_lower < s.rs_upper:
+        raise ValueError(f"the rejection band [{s.rs_lower}, {s.rs_upper}] is empty: rs_lower_bound (default "
+                         f"tis_lower_bound, then 1/tis_upper_bound) must be < rs_upper_bound (default "
+                         f"tis_upper_bound).")
+    return s
+
+
+def mis_settings(args: Any) -> SlimeMisSettings:
+    """The settings slime's example would apply for ``args``, validated; warns once about the differences slime-rc
+    makes on purpose (:data:`DEFECTS`)."""
+    s = settings_from_keys(raw_mis_keys(args))
+    if s.use_rs and not s.use_tis:
+        warn_once("rs_without_tis")
+    if s.veto is not None and not s.use_rs:
+        warn_once("veto_without_rs", veto=s.veto)
+    if s.use_tis and s.batch_normalize and s.tis_level == "geometric":
+        warn_once("geometric_batch_normalize")
+    return s
