@@ -4,10 +4,15 @@ Accepted forms:
 
 * ``pkg.mod.fn``        -- import ``pkg.mod``, take ``fn`` (the last dot splits module from attribute);
 * ``pkg.mod:fn``        -- same, explicit; ``pkg.mod:Class.method`` walks nested attributes;
-* ``path/to/file.py:fn`` -- a file relative to the cwd or absolute, loaded under a module name unique to its
-  absolute path (two ``plugin.py`` files in different folders don't collide; the same file loads once per
-  process); its folder is not put on ``sys.path``, so it imports siblings only if they are importable anyway;
+* ``path/to/file.py:fn`` -- a file relative to the cwd or absolute.  A module of an importable package (e.g.
+  ``custom_tis/mis.py``) is imported under its dotted name, so its relative imports work and it is the module
+  ``custom_tis.mis.fn`` names; any other file is loaded under a module name unique to its absolute path (two
+  ``plugin.py`` files in different folders don't collide; the same file loads once per process); its folder is not
+  put on ``sys.path``, so it imports siblings only if they are importable anyway;
 * ``mis`` / ``tis`` / ``icepop`` -- short names for the built-ins in :data:`SHORT_NAMES`.
+
+slime's own loader (``slime.utils.misc.load_function``) accepts only the dotted ``pkg.mod.fn`` form: launch lines
+meant for slime must use it (``custom_tis.mis.compute_mis_weights_with_cp``).
 
 With ``contract=("k1", "k2", ...)`` the function must accept ``fn(args, k1=..., k2=...)``;
 :data:`TIS_CONTRACT` is slime's custom TIS call, which returns ``(pg_loss, modified_masks, metrics)``.
@@ -77,9 +82,33 @@ def _import_module(spec: str, name: str, dotted_form: bool):
                           f"{type(e).__name__}: {e}") from e
 
 
+def _package_module(path: str):
+    """The module ``path`` already is under its importable dotted name (``custom_tis/mis.py`` -> ``custom_tis.mis``),
+    so that its relative imports work and it is the same object slime's dotted path loads; None otherwise."""
+    parts = [os.path.splitext(os.path.basename(path))[0]]
+    folder = os.path.dirname(path)
+    while os.path.isfile(os.path.join(folder, "__init__.py")):
+        parts.insert(0, os.path.basename(folder))
+        folder = os.path.dirname(folder)
+    if len(parts) == 1 or not all(p.isidentifier() for p in parts):
+        return None
+    name = ".".join(parts)
+    try:
+        found = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    origin = getattr(found, "origin", None)
+    if origin and os.path.isfile(origin) and os.path.samefile(origin, path):
+        return importlib.import_module(name)
+    return None
+
+
 def _load_file(spec: str, path: str):
     if not os.path.isfile(path):
         raise PluginError(f"{spec}: plugin file {path} not found")
+    module = _package_module(path)
+    if module is not None:
+        return module
     stem = os.path.splitext(os.path.basename(path))[0]
     name = f"_slime_rc_plugin_{hashlib.sha1(path.encode()).hexdigest()[:12]}_{stem}"
     if name in sys.modules:

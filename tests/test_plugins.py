@@ -316,3 +316,17 @@ def test_uninspectable_builtin_passes_contract():
     assert load_function("builtins.max", contract=TIS_CONTRACT) is max
     with pytest.raises(PluginError, match=r"does not accept keyword\(s\) pg_loss"):
         check_contract(len, ("pg_loss",))  # len's signature is known: (obj, /)
+
+
+def test_file_form_of_a_package_module_is_that_module(tmp_path, monkeypatch):
+    """``custom_tis/mis.py:fn`` (relative imports inside) loads as ``custom_tis.mis``: the same function slime's
+    dotted path names; a package file on a path that is not importable under its name still loads as a file."""
+    import custom_tis
+
+    path = os.path.join(os.path.dirname(custom_tis.__file__), "mis.py")
+    assert load_function(f"{path}:compute_mis_weights_with_cp") is custom_tis.mis.compute_mis_weights_with_cp
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(path)))
+    assert load_function("custom_tis/tis.py:compute_tis_weights_with_cp") is custom_tis.tis.compute_tis_weights_with_cp
+    copy = write(tmp_path / "elsewhere" / "custom_tis" / "solo.py", "def fn(args):\n    return 7\n")
+    write(tmp_path / "elsewhere" / "custom_tis" / "__init__.py", "")
+    assert load_function(f"{copy}:fn")(None) == 7

@@ -404,3 +404,13 @@ def test_cp_nan_raises_on_every_rank(cp_runs, cp):
         else:
             assert "sample 4 (its non-finite token is held by another context-parallel rank)" in message
     assert holders == len(cp_runs) // cp
+
+
+def test_docs_list_exactly_slimes_metric_names():
+    import os
+    import re
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "slime.md")
+    text = open(path).read()
+    rows = [line for line in text.splitlines() if line.startswith("| `mis_")]
+    documented = set(re.findall(r"`mis_([a-z0-9_]+)`", "\n".join(rows)))
+    assert documented == set(SLIME_METRICS), documented ^ set(SLIME_METRICS)
