@@ -69,6 +69,17 @@ def _compute(args):
     return compute
 
 
+def _engine_keys(args) -> dict:
+    """slime-rc's own engine settings ``args`` carries (its flags' attributes or YAML keys, see docs/usage.md):
+    setting -> value.  slime's example has no such settings."""
+    from slime_rc.arguments import FLAGS
+    from slime_rc.settings import ENGINE_KEYS
+
+    names = {key: key for key in ENGINE_KEYS}
+    names.update({flag[2:].replace("-", "_"): key for flag, (key, _, _) in FLAGS.items() if key in ENGINE_KEYS})
+    return {key: get(args, name) for name, key in names.items() if get(args, name) is not None}
+
+
 def _beyond_slime(args) -> Optional[str]:
     """Why slime's example cannot express ``args``'s settings (None when it can)."""
     if get(args, "rollout_correction_preset"):
@@ -80,18 +91,28 @@ def _beyond_slime(args) -> Optional[str]:
         value = get(args, key)
         if isinstance(value, str) and ("_" in value or "," in value):
             return f"{key}={value!r}"
+    engine = _engine_keys(args)
+    if engine:
+        return ", ".join(f"{k}={v!r}" for k, v in engine.items())
     return None
 
 
 def _engine_config(args):
+    keys = {k: get(args, k) for k in MIS_KEYS if get(args, k) is not None}
+    keys.update(_engine_keys(args))
+    try:
+        return _resolve_engine(get(args, "rollout_correction_preset"), tuple(sorted(keys.items())))
+    except TypeError:  # an unhashable value: resolve without the cache (it reports the bad value)
+        return _resolve_engine.__wrapped__(get(args, "rollout_correction_preset"), tuple(sorted(keys.items())))
+
+
+@functools.lru_cache(maxsize=32)
+def _resolve_engine(preset, items):
+    """slime-rc's config for a preset (lowest) and the keys on ``args``; cached: slime calls once per micro-batch."""
     from slime_rc.settings import Layer, preset_layer, resolve
 
-    layers = []
-    preset = get(args, "rollout_correction_preset")
-    if preset:
-        layers.append(preset_layer(preset))
-    keys = {k: get(args, k) for k in MIS_KEYS if get(args, k) is not None}
-    layers.append(Layer.from_mapping(keys, kind="yaml", where="slime's args"))
+    layers = [preset_layer(preset)] if preset else []
+    layers.append(Layer.from_mapping(dict(items), kind="yaml", where="slime's args"))
     return resolve(layers).config
 
 

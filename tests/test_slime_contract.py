@@ -414,3 +414,16 @@ def test_docs_list_exactly_slimes_metric_names():
     rows = [line for line in text.splitlines() if line.startswith("| `mis_")]
     documented = set(re.findall(r"`mis_([a-z0-9_]+)`", "\n".join(rows)))
     assert documented == set(SLIME_METRICS), documented ^ set(SLIME_METRICS)
+
+
+def test_engine_only_settings_are_not_silently_ignored():
+    """slime-rc's engine keys (e.g. --rollout-correction-on-nonfinite through the parser hook) have no meaning in
+    slime's example: they select the engine, and say so."""
+    samples = make_samples(0)
+    samples[3]["rollout"][4] = float("nan")
+    samples[3]["mask"][4] = 1
+    with pytest.warns(UserWarning, match="on_nonfinite='reject' goes beyond slime's example"):
+        out, masks, metrics = _call(dict(use_tis=True, rollout_correction_on_nonfinite="reject"), samples)
+    assert float(masks[3].sum()) == 0 and "nonfinite" not in str(metrics.keys())
+    with pytest.raises(ValueError, match="must be a single value"):
+        _call(dict(use_tis=True, tis_upper_bound=[1.0, 2.0]))

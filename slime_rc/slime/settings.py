@@ -92,16 +92,24 @@ def raw_mis_keys(args: Any) -> Tuple[Tuple[str, Any], ...]:
     for key in MIS_KEYS:
         value = get(args, key)
         if value is not None:
-            out[key] = value
+            out[key] = _scalar(key, value)
     for alias, key in ALIASES.items():
         value = get(args, alias)
         if value is None:
             continue
+        value = _scalar(alias, value)
         if key in out and out[key] != value:
             raise ValueError(f"both {key}={out[key]!r} and its older spelling {alias}={value!r} are set; keep "
                              f"{key}.")
         out[key] = value
     return tuple(sorted(out.items()))
+
+
+def _scalar(key: str, value: Any) -> Any:
+    if not isinstance(value, (bool, int, float, str)):
+        raise ValueError(f"{key}={value!r} must be a single value (a number, true/false or a name), not a "
+                         f"{type(value).__name__}.")
+    return value
 
 
 def _number(key: str, value: Any, *, positive: bool = True) -> float:
