@@ -25,7 +25,7 @@ import warnings
 from typing import Any, Optional
 
 from slime_rc.slime.mis import slime_mis
-from slime_rc.slime.settings import LEVELS, MIS_KEYS, get, mis_settings
+from slime_rc.slime.settings import MIS_KEYS, beyond_slime, engine_keys, get, mis_settings
 
 from ._contract import engine_compute, launch_config, run_lists, run_with_cp
 
@@ -50,7 +50,7 @@ def compute_mis_weights_with_cp(args, *, pg_loss, train_log_probs, rollout_log_p
 def _compute(args):
     config = launch_config(args)
     if config is None:
-        reason = _beyond_slime(args)
+        reason = beyond_slime(args)
         if reason:
             config = _engine_config(args)
             _note_engine(reason)
@@ -69,37 +69,9 @@ def _compute(args):
     return compute
 
 
-def _engine_keys(args) -> dict:
-    """slime-rc's own engine settings ``args`` carries (its flags' attributes or YAML keys, see docs/usage.md):
-    setting -> value.  slime's example has no such settings."""
-    from slime_rc.arguments import FLAGS
-    from slime_rc.settings import ENGINE_KEYS
-
-    names = {key: key for key in ENGINE_KEYS}
-    names.update({flag[2:].replace("-", "_"): key for flag, (key, _, _) in FLAGS.items() if key in ENGINE_KEYS})
-    return {key: get(args, name) for name, key in names.items() if get(args, name) is not None}
-
-
-def _beyond_slime(args) -> Optional[str]:
-    """Why slime's example cannot express ``args``'s settings (None when it can)."""
-    if get(args, "rollout_correction_preset"):
-        return f"--rollout-correction-preset {get(args, 'rollout_correction_preset')}"
-    rs_level = get(args, "rs_level")
-    if rs_level is not None and rs_level not in LEVELS:
-        return f"rs_level={rs_level!r}"
-    for key in ("rs_upper_bound", "rs_lower_bound"):
-        value = get(args, key)
-        if isinstance(value, str) and ("_" in value or "," in value):
-            return f"{key}={value!r}"
-    engine = _engine_keys(args)
-    if engine:
-        return ", ".join(f"{k}={v!r}" for k, v in engine.items())
-    return None
-
-
 def _engine_config(args):
     keys = {k: get(args, k) for k in MIS_KEYS if get(args, k) is not None}
-    keys.update(_engine_keys(args))
+    keys.update(engine_keys(args))
     try:
         return _resolve_engine(get(args, "rollout_correction_preset"), tuple(sorted(keys.items())))
     except TypeError:  # an unhashable value: resolve without the cache (it reports the bad value)

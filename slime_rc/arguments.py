@@ -6,12 +6,21 @@ returns the parser).  Every flag defaults to None, so ``config_from_args`` can t
 line and apply the precedence **flag > YAML (--custom-config-path) > preset (--rollout-correction-preset) >
 default** through :func:`slime_rc.settings.resolve`.  ``--custom-tis-function-path`` and
 ``--custom-config-path`` are checked while parsing (a bad path fails the launch, not the first step).
+
+Inside slime (``slime.utils.arguments.parse_args(add_custom_arguments=add_rollout_correction_arguments)``) the
+hook runs BEFORE slime adds its own flags, so it leaves out the flags slime (or Megatron-LM) owns
+(:data:`SLIME_OWNED_FLAGS`: slime defines them next, with slime's meaning) and adds only the ones slime lacks, on
+the attributes slime's YAML keys use (``args.use_rs``, ``args.tis_level``, ...).  It tells it runs inside slime
+from the calling frames (:func:`called_by_slime`); ``slime=True`` / ``slime=False`` forces either way.  slime then
+copies the YAML onto ``args`` after parsing, so there the YAML beats the flags: ``resolve_args(args,
+slime=True)`` applies that precedence (``slime-rc config --slime`` prints it).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -19,7 +28,7 @@ from .config import (IS_LEVELS, IS_MODES, LOSS_TYPES, NONFINITE_POLICIES, RS_OPT
                      parse_number, split_threshold)
 from .plugins import TIS_CONTRACT, load_function
 from .presets import PRESETS
-from .settings import Layer, Resolution, preset_layer, resolve
+from .settings import KINDS, SLIME_KINDS, Layer, Resolution, preset_layer, resolve
 from .yaml_config import load_yaml_layer
 
 
@@ -124,16 +133,58 @@ OTHER_FLAGS: Dict[str, Tuple[Dict[str, Any], str]] = {
 }
 
 
+# The flags slime (or Megatron-LM) defines itself that we also define, as slime's parser defines them: argparse
+# keywords; the dest is the default one (no dest= in slime).  slime/utils/arguments.py at 624b824a8:
+# add_algo_arguments (--eps-clip, --eps-clip-high, --eps-clip-c, --get-mismatch-metrics, --use-rollout-logprobs,
+# --use-tis, --tis-clip, --tis-clip-low, --custom-tis-function-path), add_train_arguments (reset_arg of
+# Megatron-LM's --calculate-per-token-loss: store_true, default False) and add_slime_arguments (reset_arg
+# --custom-config-path).
+SLIME_OWNED_FLAGS: Dict[str, Dict[str, Any]] = {
+    "--use-rollout-logprobs": dict(action="store_true", default=False),
+    "--get-mismatch-metrics": dict(action="store_true", default=False),
+    "--use-tis": dict(action="store_true", default=False),
+    "--tis-clip": dict(type=float, default=2.0),
+    "--tis-clip-low": dict(type=float, default=0),
+    "--eps-clip": dict(type=float, default=0.2),
+    "--eps-clip-high": dict(type=float, default=None),
+    "--eps-clip-c": dict(type=float, default=None),
+    "--calculate-per-token-loss": dict(action="store_true", default=False),
+    "--custom-config-path": dict(type=str, default=None),
+    "--custom-tis-function-path": dict(type=str, default=None),
+}
+# The module whose add_slime_arguments calls the add_custom_arguments hook.
+SLIME_PARSER_MODULE = "slime.utils.arguments"
+
+
 def _dest(flag: str) -> str:
     return flag[2:].replace("-", "_")
 
 
-def add_rollout_correction_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+def called_by_slime(depth: int = 1) -> bool:
+    """Whether a frame of slime's parser module (:data:`SLIME_PARSER_MODULE`) is on the call stack above the
+    caller's ``depth``-th frame: ``add_rollout_correction_arguments`` then runs as slime's ``add_custom_arguments``
+    hook (slime's ``add_slime_arguments`` calls it first, before its own flags), directly or through a wrapper."""
+    frame = sys._getframe(depth + 1)
+    while frame is not None:
+        if frame.f_globals.get("__name__") == SLIME_PARSER_MODULE:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def add_rollout_correction_arguments(parser: argparse.ArgumentParser, *,
+                                     slime: Optional[bool] = None) -> argparse.ArgumentParser:
     """Add the rollout-correction flags (in their own group) to ``parser`` and return it.
 
     A flag the parser already has (slime's own ``--use-tis``, ``--tis-clip``, ...) is left as it is and read
     from there; it counts as given when its value differs from that parser's default.
+
+    ``slime``: the parser is slime's, which will add :data:`SLIME_OWNED_FLAGS` after this hook: those are left
+    to slime (with slime's defaults) instead of defined here, so the definitions do not conflict.  ``None``
+    (default): detected with :func:`called_by_slime`.
     """
+    if slime is None:
+        slime = called_by_slime(depth=1)
     group = parser.add_argument_group("rollout correction (slime-rc)")
     shared = {}
     existing = parser._option_string_actions  # argparse keeps no public index of option strings
@@ -141,8 +192,21 @@ def add_rollout_correction_arguments(parser: argparse.ArgumentParser) -> argpars
         if flag in existing:
             shared[_dest(flag)] = (existing[flag].dest, existing[flag].default)
             continue
+        if slime and flag in SLIME_OWNED_FLAGS:
+            shared[_dest(flag)] = (_dest(flag), SLIME_OWNED_FLAGS[flag].get("default"))
+            continue
         group.add_argument(flag, dest=_dest(flag), help=help_, **{"default": None, **kwargs})
     parser.set_defaults(slime_rc_shared_flags=shared)
+    return parser
+
+
+def add_slime_owned_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add :data:`SLIME_OWNED_FLAGS` as slime defines them (those the parser lacks), for a parser that stands in
+    for slime's (``slime-rc config --slime``)."""
+    group = parser.add_argument_group("slime's own flags (as slime defines them)")
+    for flag, kwargs in SLIME_OWNED_FLAGS.items():
+        if flag not in parser._option_string_actions:
+            group.add_argument(flag, **kwargs)
     return parser
 
 
@@ -153,31 +217,41 @@ def _given(args: argparse.Namespace, flag: str) -> Any:
     return None if value == default else value
 
 
-def resolve_args(args: argparse.Namespace) -> Resolution:
-    """The config ``args`` describe, who set each field, and notes (see :func:`slime_rc.settings.resolve`)."""
+def resolve_args(args: argparse.Namespace, *, slime: bool = False) -> Resolution:
+    """The config ``args`` describe, who set each field, and notes (see :func:`slime_rc.settings.resolve`).
+
+    ``slime``: the resolution slime applies — the YAML beats the flags (slime copies it onto ``args`` after
+    parsing) and is read as slime reads it (:func:`slime_rc.yaml_config.load_yaml_layer`).  ``args`` may already
+    hold the YAML's values (slime's own ``args``, after its parse_args): an attribute the YAML names counts as the
+    YAML's, not as a flag."""
     layers: List[Layer] = []
     preset = _given(args, "--rollout-correction-preset")
     if preset:
         layers.append(preset_layer(preset))
     path = _given(args, "--custom-config-path")
+    from_yaml = set()
     if path:
-        layers.append(load_yaml_layer(path))
-    given = {key: _given(args, flag) for flag, (key, _, _) in FLAGS.items() if _given(args, flag) is not None}
+        layers.append(load_yaml_layer(path, slime=slime))
+        if slime:  # slime's args may hold the YAML's values already: those attributes are the YAML's, not flags
+            from_yaml = set(layers[-1].names.values()) | set(layers[-1].ignored)
+    given = {key: _given(args, flag) for flag, (key, _, _) in FLAGS.items()
+             if _given(args, flag) is not None and _dest(flag) not in from_yaml}
     flag_of = {key: flag for flag, (key, _, _) in FLAGS.items()}
     def spelled(key):  # what the user typed: --no-use-tis for a False boolean
         flag = flag_of.get(key, key)
         return "--no-" + flag[2:] if given.get(key) is False else flag
     layers.append(Layer.from_mapping(given, kind="flag", name=spelled))
-    return resolve(layers)
+    return resolve(layers, SLIME_KINDS if slime else KINDS)
 
 
-def config_from_args(args: argparse.Namespace) -> RolloutCorrectionConfig:
-    """The validated config (operating mode included: ``config.mode``, ``config.loss_type``) for parsed ``args``.
+def config_from_args(args: argparse.Namespace, *, slime: bool = False) -> RolloutCorrectionConfig:
+    """The validated config (operating mode included: ``config.mode``, ``config.loss_type``) for parsed ``args``;
+    ``slime``: with slime's precedence (:func:`resolve_args`).
 
     Also stores it as ``args.rollout_correction_config`` (the slime adapters in ``custom_tis`` read it from
     there) and emits each note of the resolution (e.g. IS weights that are diagnostics only) as a warning.
     """
-    resolution = resolve_args(args)
+    resolution = resolve_args(args, slime=slime)
     for note in resolution.notes:
         warnings.warn(note, stacklevel=2)
     args.rollout_correction_config = resolution.config

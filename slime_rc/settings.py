@@ -2,8 +2,10 @@
 
 Every source is first translated into the same flat *settings*: slime's key set plus the mode and engine keys
 (:data:`SETTINGS`).  Sources are stacked as :class:`Layer` objects, lowest precedence first —
-default < preset < YAML < flag — and :func:`resolve` merges them key by key, remembers which layer set each
-key, refuses settings that a higher layer made dead (``--tis-level`` while IS is off) and builds the config.
+default < preset < YAML < flag (:data:`KINDS`; inside slime, which copies the YAML onto ``args`` after
+parsing: default < preset < flag < YAML, :data:`SLIME_KINDS`) — and :func:`resolve` merges them key by key,
+remembers which layer set each key, refuses settings that a higher layer made dead (``--tis-level`` while IS is
+off) and builds the config.  :func:`near_miss` tells a typo of one of these keys from another plugin's key.
 
 Accepted spellings of one mapping (:meth:`Layer.from_mapping`), in three families that must not be mixed for
 the same setting:
@@ -12,7 +14,9 @@ the same setting:
   rs_level, rs_lower_bound, rs_upper_bound, rs_veto_threshold``; ``mis_*`` (slime's mis.yaml) and
   ``tis_clip`` / ``tis_clip_low`` (slime's older flags) as aliases; the mode keys ``use_rollout_logprobs``,
   ``use_rollout_correction``, ``get_mismatch_metrics``, ``loss_type`` and the engine keys
-  ``safety_bound, on_nonfinite, rejected_in_denominator, quantile_bins_per_octave``;
+  ``safety_bound, on_nonfinite, rejected_in_denominator, quantile_bins_per_octave``; and the attributes the
+  ``--rollout-correction-*`` flags set (``rollout_correction_loss_type``, ``rollout_correction_safety_bound``,
+  ...), the spelling for a YAML slime copies onto ``args`` (where ``loss_type`` is slime's own key);
 * this project's field names: ``is_level, is_mode, is_upper_bound, is_lower_bound, is_batch_normalize, rs,
   veto_threshold, mode``;
 * verl: ``rollout_is, rollout_is_threshold, rollout_is_batch_normalize, rollout_rs, rollout_rs_threshold,
@@ -25,7 +29,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Dict, List, Mapping, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 from .config import RejectionCriterion, RolloutCorrectionConfig, parse_rejection_criteria, split_threshold
 from .presets import PRESETS
@@ -42,13 +46,61 @@ SETTINGS = ("use_tis",) + IS_KEYS + ("use_rs",) + RS_KEYS + ("rs_veto_threshold"
 BOOL_SETTINGS = {"use_tis", "use_rs", "tis_batch_normalize", "use_rollout_logprobs", "use_rollout_correction",
                  "get_mismatch_metrics", "rejected_in_denominator", "calculate_per_token_loss"}
 
-# Precedence of the layer kinds, lowest first.
+# Precedence of the layer kinds, lowest first: this project's launches (slime-rc train, Megatron's
+# extra_args_provider, plain argparse) ...
 KINDS = ("default", "preset", "yaml", "flag", "dict")
+# ... and slime's, where the --custom-config-path YAML is copied onto args AFTER parsing, so it beats the flags.
+SLIME_KINDS = ("default", "preset", "flag", "yaml", "dict")
 
 
 def _closest(name: str, choices) -> str:
     match = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
     return f" Did you mean {match[0]!r}?" if match else ""
+
+
+def _edit_distance(a: str, b: str) -> int:
+    """Optimal-string-alignment distance: insertions, deletions, substitutions and swaps of neighbours."""
+    prev2, prev = None, list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        cur = [i] + [0] * len(b)
+        for j, cb in enumerate(b, 1):
+            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb))
+            if i > 1 and j > 1 and ca == b[j - 2] and a[i - 2] == cb:
+                cur[j] = min(cur[j], prev2[j - 2] + 1)
+        prev2, prev = prev, cur
+    return prev[-1]
+
+
+def near_miss(key: str, known: Iterable[str]) -> Optional[str]:
+    """The key of ``known`` that ``key`` is probably a typo of, or ``None``.
+
+    ``None`` when ``key`` is itself in ``known`` or is not close to any of them.  Close means a small edit
+    distance (insertions, deletions, substitutions, swapped neighbours; case and ``-`` for ``_`` ignored):
+    none for keys of up to 4 characters (only ``RS`` -> ``rs``), at most 1 edit up to 11 characters
+    (``use_tiss`` -> ``use_tis``, ``tis_levle`` -> ``tis_level``), at most 2 beyond (``rs_veto_treshold`` ->
+    ``rs_veto_threshold``, ``tis_uper_bound`` -> ``tis_upper_bound``).  Ties go to the first closest key in
+    ``known``'s order.
+
+    The cutoff is tight on purpose: slime copies ONE ``--custom-config-path`` YAML onto ``args`` for every
+    plugin, so a YAML read by slime-rc also holds slime's, Megatron-LM's and other plugins' keys
+    (``use_kl_loss``, ``kl_coef``, ``eps_clip``, ``use_opsm``, ``loss_type``, ``advantage_estimator``, ...),
+    which must be ignored, not flagged.  tests/test_slime_parser.py checks every arg name of slime's parser (and
+    Megatron-LM's ``test_mode``, 2 edits from ``tis_mode``: why 9-11 characters allow only 1 edit).
+    """
+    known = list(known)
+    if key in known:
+        return None
+    norm = key.lower().replace("-", "_")
+    limit = 0 if len(norm) <= 4 else 1 if len(norm) <= 11 else 2
+    best, best_d = None, limit + 1
+    for k in known:
+        cand = k.lower().replace("-", "_")
+        if abs(len(cand) - len(norm)) >= best_d:
+            continue
+        d = _edit_distance(norm, cand)
+        if d < best_d:
+            best, best_d = k, d
+    return best
 
 
 # ---- spellings -> settings ----------------------------------------------------------------------------------
@@ -107,6 +159,13 @@ SPELLINGS: Dict[str, Tuple[str, Callable[[Any], dict]]] = {
     "tis_clip": ("slime", _rename("tis_upper_bound")),
     "tis_clip_low": ("slime", _rename("tis_lower_bound")),
     "calculate_per_token_loss": ("slime", lambda v: {"loss_agg": "token_mean" if v else "sample_mean"}),
+    # the attributes the --rollout-correction-* flags set, so that a YAML slime copies onto args sets what the
+    # flag sets (in a slime YAML, loss_type is slime's own key)
+    "rollout_correction_loss_type": ("slime", _rename("loss_type")),
+    "rollout_correction_rejected_in_denominator": ("slime", _rename("rejected_in_denominator")),
+    "rollout_correction_safety_bound": ("slime", _rename("safety_bound")),
+    "rollout_correction_on_nonfinite": ("slime", _rename("on_nonfinite")),
+    "rollout_correction_quantile_bins": ("slime", _rename("quantile_bins_per_octave")),
     "is_level": ("own", lambda v: {"use_tis": v is not None, **({"tis_level": v} if v is not None else {})}),
     "is_mode": ("own", _rename("tis_mode")),
     "is_upper_bound": ("own", _rename("tis_upper_bound")),
@@ -143,6 +202,7 @@ class Layer:
     values: Dict[str, Any] = field(default_factory=dict)
     names: Dict[str, str] = field(default_factory=dict)
     raw: Dict[str, Any] = field(default_factory=dict)  # setting -> the value as the user wrote it
+    ignored: List[str] = field(default_factory=list)  # keys of a slime YAML that are not slime-rc's
 
     @property
     def rank(self) -> int:
@@ -181,7 +241,7 @@ class Layer:
             if isinstance(value, bool) or value is None:
                 pass
             elif key in BOOL_SETTINGS or key in ("bypass_mode", "use_policy_gradient", "rollout_is_batch_normalize",
-                                                 "is_batch_normalize"):
+                                                 "is_batch_normalize", "rollout_correction_rejected_in_denominator"):
                 # "false" (a string) would be truthy and switch the feature on
                 raise ValueError(f"{name(key)}={value!r}{' in ' + where if where else ''} must be true or false.")
             for setting, v in translate(value).items():
@@ -233,28 +293,33 @@ FIELD_SETTINGS = {
 
 
 class _Merged:
-    """The merged settings and, per setting, the layer that set it."""
+    """The merged settings and, per setting, the layer that set it; ``order``: the layer kinds, lowest first."""
 
-    def __init__(self, layers: List[Layer]):
+    def __init__(self, layers: List[Layer], order: Tuple[str, ...] = KINDS):
+        self.order = order
         self.values: Dict[str, Any] = {}
         self.owner: Dict[str, Layer] = {}
-        for layer in sorted(layers, key=lambda l: l.rank):
+        for layer in sorted(layers, key=self.layer_rank):
             for key, value in layer.values.items():
                 self.values[key], self.owner[key] = value, layer
+
+    def layer_rank(self, layer: Layer) -> int:
+        return self.order.index(layer.kind)
 
     def get(self, key: str) -> Any:
         return self.values.get(key)
 
     def rank(self, key: str) -> int:
-        return self.owner[key].rank if key in self.owner else 0
+        return self.layer_rank(self.owner[key]) if key in self.owner else 0
 
     def given(self, key: str) -> str:
         return self.owner[key].given(key)
 
 
-def resolve(layers: List[Layer]) -> Resolution:
-    """Merge ``layers`` (lowest precedence first) and build the validated config."""
-    m = _Merged(layers)
+def resolve(layers: List[Layer], order: Tuple[str, ...] = KINDS) -> Resolution:
+    """Merge ``layers`` and build the validated config.  ``order``: the precedence of the layer kinds, lowest
+    first (:data:`KINDS`; :data:`SLIME_KINDS` for the resolution slime applies: YAML over flags)."""
+    m = _Merged(layers, order)
     _refuse_dead_settings(m)
     try:
         config = RolloutCorrectionConfig(**_config_kwargs(m))  # an unset mode is derived: decoupled iff corrects

@@ -10,6 +10,7 @@ import os
 import warnings
 
 import pytest
+import torch
 
 import custom_tis._contract as contract
 from slime_rc import PRESETS, RejectionCriterion, RolloutCorrectionConfig
@@ -694,31 +695,27 @@ def test_adapters_see_the_preset_and_yaml_resolved_config(tmp_path):
     cfg = config_from_args(args)
     # the slime keys on args are all None (the preset and the YAML set them): only the stored config knows them
     assert args.use_tis is None and args.tis_level is None
-    assert contract.config_from_args(args) is cfg
+    assert contract.launch_config(args) is cfg
 
 
-def test_adapter_overrides_rebuild_the_config():
-    args = _parse(["--use-tis", "--tis-upper-bound", "3"])
-    cfg = config_from_args(args)
-    assert contract.config_from_args(args) is cfg
-    other = contract.config_from_args(args, tis_upper_bound=5.0)
-    assert other is not cfg
-    assert other.is_upper_bound == 5.0 and other.is_level == "token"
-    assert args.rollout_correction_config is cfg and cfg.is_upper_bound == 3.0  # the stored one is untouched
+# one sample, ratios pi_train/pi_rollout = 0.25, 1, 4, 6
+_RATIOS = dict(train_log_probs=[torch.log(torch.tensor([0.25, 1.0, 4.0, 6.0]))],
+               rollout_log_probs=[torch.zeros(4)], loss_masks=[torch.ones(4)])
 
 
 def test_tis_adapter_sees_the_resolved_upper_bound():
     # docs/usage.md: "The custom_tis adapters read the config resolved at launch (args.rollout_correction_config),
     # so presets and YAML apply to them too."  --tis-upper-bound is the current spelling of --tis-clip.
     import custom_tis.tis as tis
-    args = _parse(["--use-tis", "--tis-upper-bound", "3", "--custom-tis-function-path", "tis"])
-    cfg = config_from_args(args)
-    assert cfg.is_upper_bound == 3.0
-    assert tis.tis_config(args).is_upper_bound == 3.0
-    # the older spelling reaches the adapter
-    args = _parse(["--use-tis", "--tis-clip", "3", "--custom-tis-function-path", "tis"])
-    config_from_args(args)
-    assert tis.tis_config(args).is_upper_bound == 3.0
+    for argv in (["--use-tis", "--tis-upper-bound", "3"], ["--use-tis", "--tis-clip", "3"]):
+        args = _parse(argv + ["--custom-tis-function-path", "tis"])
+        assert config_from_args(args).is_upper_bound == 3.0
+        weights, masks, _ = tis.compute_tis_weights(args, **_RATIOS)
+        assert weights[0].tolist() == [0.25, 1.0, 3.0, 3.0], argv
+        assert masks[0].tolist() == [1.0] * 4
+    # without a launch config: slime's own --tis-clip default 2.0
+    weights, _, _ = tis.compute_tis_weights(argparse.Namespace(tis_clip=2.0, tis_clip_low=0), **_RATIOS)
+    assert weights[0].tolist() == [0.25, 1.0, 2.0, 2.0]
 
 
 def test_icepop_adapter_sees_the_preset_band():
@@ -726,8 +723,12 @@ def test_icepop_adapter_sees_the_preset_band():
     args = _parse(["--rollout-correction-preset", "decoupled_token_icepop", "--custom-tis-function-path", "icepop"])
     cfg = config_from_args(args)
     assert (cfg.is_mode, cfg.is_lower_bound, cfg.is_upper_bound) == ("mask", 0.5, 5.0)
-    used = icepop.icepop_config(args)
-    assert (used.is_mode, used.is_lower_bound, used.is_upper_bound) == ("mask", 0.5, 5.0)
+    weights, masks, _ = icepop.compute_icepop_weights(args, **_RATIOS)
+    # the preset's band [0.5, 5]: 0.25 and 6 are outside (rejected), 4 is inside
+    assert weights[0].tolist() == [0.0, 1.0, 4.0, 0.0] and masks[0].tolist() == [0.0, 1.0, 1.0, 0.0]
+    # slime's band [tis_clip_low, tis_clip] = [0, 2] without a launch config
+    weights, _, _ = icepop.compute_icepop_weights(argparse.Namespace(tis_clip=2.0, tis_clip_low=0), **_RATIOS)
+    assert weights[0].tolist() == [0.25, 1.0, 0.0, 0.0]
 
 
 def test_coexists_with_a_parser_that_already_has_slimes_flags():

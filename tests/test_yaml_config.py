@@ -325,8 +325,18 @@ def test_unknown_verl_key_names_key_file_and_closest(tmp_path):
             "Did you mean 'rollout_is_threshold'?")
 
 
-def test_unknown_key_far_from_any_lists_valid_keys(tmp_path):
-    path = _write(tmp_path, "zzzzqqqq: 1\n")
+def test_unknown_slime_key_far_from_ours_is_another_plugins_and_ignored(tmp_path):
+    # slime copies ONE YAML onto args for every plugin: a key slime-rc does not know is someone else's
+    path = _write(tmp_path, "zzzzqqqq: 1\nuse_tis: true\nuse_kl_loss: true\n")
+    layer = load_yaml_layer(path)
+    assert layer.ignored == ["zzzzqqqq", "use_kl_loss"]
+    assert _load(path) == C(is_level="token")
+    assert _via_flag(path) == C(is_level="token")
+
+
+def test_unknown_key_inside_the_verl_block_is_still_refused_with_the_valid_keys(tmp_path):
+    # the verl block is ours as a whole: a key in it that we do not know is an error
+    path = _write(tmp_path, "algorithm:\n  rollout_correction:\n    rollout_is: token\n    zzzzqqqq: 1\n")
     msg = _raises(lambda: _load(path), "'zzzzqqqq'", "Valid keys", "use_tis", "rollout_is_threshold", "mis_level")
     assert "Did you mean" not in msg
 

@@ -163,10 +163,68 @@ def mis_settings(args: Any) -> SlimeMisSettings:
     """The settings slime's example would apply for ``args``, validated; warns once about the differences slime-rc
     makes on purpose (:data:`DEFECTS`)."""
     s = settings_from_keys(raw_mis_keys(args))
-    if s.use_rs and not s.use_tis:
-        warn_once("rs_without_tis")
-    if s.veto is not None and not s.use_rs:
-        warn_once("veto_without_rs", veto=s.veto)
-    if s.use_tis and s.batch_normalize and s.tis_level == "geometric":
-        warn_once("geometric_batch_normalize")
+    for key in defects(s):
+        warn_once(key, veto=s.veto)
     return s
+
+
+def defects(s: SlimeMisSettings) -> Tuple[str, ...]:
+    """The keys of :data:`DEFECTS` where ``s`` makes slime-rc differ from slime's example on purpose."""
+    out = []
+    if s.use_rs and not s.use_tis:
+        out.append("rs_without_tis")
+    if s.veto is not None and not s.use_rs:
+        out.append("veto_without_rs")
+    if s.use_tis and s.batch_normalize and s.tis_level == "geometric":
+        out.append("geometric_batch_normalize")
+    return tuple(out)
+
+
+# How an unset key is filled (for ``slime-rc config --slime``).
+DEFAULT_RULES = {"use_tis": "false", "use_rs": "false", "tis_level": "token", "tis_mode": "truncate",
+                 "tis_upper_bound": "2.0", "tis_lower_bound": "1 / tis_upper_bound", "rs_level": "tis_level",
+                 "rs_lower_bound": "tis_lower_bound", "rs_upper_bound": "tis_upper_bound",
+                 "rs_veto_threshold": "none", "tis_batch_normalize": "false"}
+FIELD_OF_KEY = {"use_tis": "use_tis", "use_rs": "use_rs", "tis_level": "tis_level", "tis_mode": "tis_mode",
+                "tis_upper_bound": "tis_upper", "tis_lower_bound": "tis_lower", "rs_level": "rs_level",
+                "rs_lower_bound": "rs_lower", "rs_upper_bound": "rs_upper", "rs_veto_threshold": "veto",
+                "tis_batch_normalize": "batch_normalize"}
+
+
+def explain(args: Any) -> Tuple[SlimeMisSettings, Tuple[Tuple[str, Any, str], ...], Tuple[str, ...]]:
+    """``(settings, rows (key, value, 'set' or the default rule), defect messages)`` for ``args``, without
+    warning."""
+    raw = dict(raw_mis_keys(args))
+    s = settings_from_keys(tuple(sorted(raw.items())))
+    rows = tuple((key, getattr(s, FIELD_OF_KEY[key]), "set" if key in raw else f"default: {DEFAULT_RULES[key]}")
+                 for key in MIS_KEYS)
+    return s, rows, tuple("slime-rc: " + DEFECTS[k].format(veto=s.veto) for k in defects(s))
+
+
+def engine_keys(args) -> dict:
+    """slime-rc's own engine settings ``args`` carries (its flags' attributes or YAML keys, see docs/usage.md):
+    setting -> value.  slime's example has no such settings."""
+    from ..arguments import FLAGS
+    from ..settings import ENGINE_KEYS
+
+    names = {key: key for key in ENGINE_KEYS}
+    names.update({flag[2:].replace("-", "_"): key for flag, (key, _, _) in FLAGS.items() if key in ENGINE_KEYS})
+    return {key: get(args, name) for name, key in names.items() if get(args, name) is not None}
+
+
+def beyond_slime(args) -> Optional[str]:
+    """Why slime's example cannot express ``args``'s settings (None when it can): then ``custom_tis.mis`` runs
+    slime-rc's engine instead."""
+    if get(args, "rollout_correction_preset"):
+        return f"--rollout-correction-preset {get(args, 'rollout_correction_preset')}"
+    rs_level = get(args, "rs_level")
+    if rs_level is not None and rs_level not in LEVELS:
+        return f"rs_level={rs_level!r}"
+    for key in ("rs_upper_bound", "rs_lower_bound"):
+        value = get(args, key)
+        if isinstance(value, str) and ("_" in value or "," in value):
+            return f"{key}={value!r}"
+    engine = engine_keys(args)
+    if engine:
+        return ", ".join(f"{k}={v!r}" for k, v in engine.items())
+    return None
