@@ -34,25 +34,30 @@ DATA_SEED = 7
 
 # The policy loss of the package (slime_rc.megatron.loss, legacy convention) as two more "conventions":
 # decoupled PPO with the pre-step global-batch correction, and bypass REINFORCE with the in-loss correction.
-POLICY = ("policy_prestep", "policy_bypass", "policy_tis_function")
-PRE, BYP, TISFN = POLICY
+POLICY = ("policy_prestep", "policy_bypass", "policy_tis_function", "policy_slime_function")
+PRE, BYP, TISFN, SLIMEFN = POLICY
+# the TIS-function conventions: the function, loaded by its dotted path as slime loads it
+TIS_FUNCTIONS = {TISFN: "mis", SLIMEFN: "tests.slime_like_tis.compute_weights_with_cp"}
 
 # name -> (world size, initialize_parallel kwargs, conventions run[, TinyGPTConfig overrides])
+# ``pad_multiplier`` (slime's get_batch: each rank's packed stream padded to a multiple of tp * pad_multiplier) puts
+# a stream-padding segment into some CP layouts; TP layouts get one whenever a rank's token count is not a multiple
+# of tp (the 1-process reference never pads).
 LAYOUTS = {
     # 2-process spawn
     "tp2": (2, dict(tp=2), ("per_token", PRE)),
     "tp2_sp": (2, dict(tp=2, sequence_parallel=True), ("per_token", PRE)),
     "pp2": (2, dict(pp=2), ("per_token", PRE)),
     "pp2_vpp2": (2, dict(pp=2, vpp=2), ("per_token", "legacy", PRE)),
-    "cp2": (2, dict(cp=2), ("per_token", "legacy", PRE, BYP, TISFN)),
+    "cp2": (2, dict(cp=2), ("per_token", "legacy", PRE, BYP, TISFN, SLIMEFN)),
     "dp2": (2, dict(), ("per_token", "legacy", PRE, BYP)),
     "pp2_tied": (2, dict(pp=2), ("per_token",), dict(tie_embeddings=True)),
     # 4-process spawn
     "tp2_pp2": (4, dict(tp=2, pp=2), ("per_token", PRE)),
-    "cp4": (4, dict(cp=4), ("per_token", PRE)),
-    "dp2_cp2": (4, dict(cp=2), ("per_token", "legacy", PRE, BYP, TISFN)),
+    "cp4": (4, dict(cp=4, pad_multiplier=3), ("per_token", PRE, SLIMEFN)),
+    "dp2_cp2": (4, dict(cp=2, pad_multiplier=5), ("per_token", "legacy", PRE, BYP, TISFN)),
     "tp2_cp2": (4, dict(tp=2, cp=2), ("per_token", BYP)),
-    "tp2_cp2_sp": (4, dict(tp=2, cp=2, sequence_parallel=True), ("per_token",)),
+    "tp2_cp2_sp": (4, dict(tp=2, cp=2, sequence_parallel=True, pad_multiplier=2), ("per_token",)),
     "pp2_vpp2_dp2": (4, dict(pp=2, vpp=2), ("per_token",)),
 }
 REFERENCE = "single"
@@ -135,6 +140,9 @@ def policy_configs():
         # the same correction as PRE but in the loss, through slime's TIS-function contract (custom_tis.mis)
         TISFN: RolloutCorrectionConfig(is_level="token", veto_threshold=0.05,
                                        rs=parse_rejection_criteria("token", 1.8)),
+        # a function written like slime's example (tests/slime_like_tis.py), settings from slime's args attributes
+        SLIMEFN: RolloutCorrectionConfig(is_level="token", is_upper_bound=1.5,
+                                         rs=parse_rejection_criteria("token", "0.6_1.7")),
     }
 
 
@@ -157,13 +165,16 @@ def _policy_step(M, model, optimizer, mbs: List[dict], convention: str, forward_
 
     config = policy_configs()[convention]
     tis = {}
-    if convention == TISFN:
-        import types
+    if convention in TIS_FUNCTIONS:
+        import argparse
 
         from slime_rc.megatron.loss import with_sample_fields
         from slime_rc.plugins import load_function
         mbs = [with_sample_fields(mb) for mb in mbs]
-        tis = dict(tis_function=load_function("mis"), tis_args=types.SimpleNamespace(rollout_correction_config=config))
+        # the caller's args: slime's keys unset (None), as a launch line without them leaves them; the function
+        # must get a copy with the resolved values
+        tis = dict(tis_function=load_function(TIS_FUNCTIONS[convention]),
+                   tis_args=argparse.Namespace(tis_upper_bound=None, tis_lower_bound=None, use_tis=None))
     local = M.shard_for_step(model, mbs)
     prepared = prepare_global_batch(local, config) if convention == PRE else None
     inner = make_loss_func(config, temperature=TEMPERATURE, prepared=prepared, num_microbatches=len(mbs), **tis)
@@ -174,7 +185,16 @@ def _policy_step(M, model, optimizer, mbs: List[dict], convention: str, forward_
         return loss, {"logp": logp, "metrics": {k: float(v) for k, v in metrics.items()
                                                 if k.startswith("rollout_corr/")}}
 
-    return M.train_step(model, optimizer, mbs, loss_fn, forward_only=forward_only, local_micro_batches=local)
+    result = M.train_step(model, optimizer, mbs, loss_fn, forward_only=forward_only, local_micro_batches=local)
+    if "tis_args" in tis:
+        assert tis["tis_args"].tis_upper_bound is None, "the caller's args were modified"
+        from megatron.core import parallel_state as ps
+
+        from slime_rc.megatron.loss import reduce_tis_function_metrics
+        if ps.is_pipeline_last_stage(ignore_virtual=True):  # slime's reduction over micro-batches and DP x CP
+            result.function_metrics = reduce_tis_function_metrics([o["metrics"] for o in result.outputs],
+                                                                  result.local_micro_batches, config)
+    return result
 
 
 def _run(name: str, kwargs: dict, convention: str, batch: List[dict], rank: int, overrides: dict) -> dict:
@@ -214,7 +234,7 @@ def _run(name: str, kwargs: dict, convention: str, batch: List[dict], rank: int,
                               sp=layout.sequence_parallel, chunks=len(model)),
                    ranks=dict(tp=ps.get_tensor_model_parallel_rank(), pp=ps.get_pipeline_model_parallel_rank(),
                               cp=ps.get_context_parallel_rank(), dp=dp_rank),
-                   loss=[], grad_norm=[], logp=[], num_tokens=[], metrics=[])
+                   loss=[], grad_norm=[], logp=[], num_tokens=[], metrics=[], function_metrics=[])
 
         def gathered(result) -> Dict[int, torch.Tensor]:
             if not last:
@@ -236,6 +256,7 @@ def _run(name: str, kwargs: dict, convention: str, batch: List[dict], rank: int,
             out["num_tokens"].append(r.num_tokens)
             out["logp"].append(gathered(r))
             out["metrics"].append(metrics(r))
+            out["function_metrics"].append(getattr(r, "function_metrics", None) if reporter else None)
         if layout.vpp and len(mine) > layout.pp:  # interleaved PP on gloo refuses M == pp (it would deadlock)
             try:
                 step(optimizer, mine[:layout.pp])
@@ -316,6 +337,106 @@ def attention_checks(cp_size: int) -> Dict[str, float]:
     return out
 
 
+POSITION_LENGTHS = tuple(range(1, 41))  # sequence lengths of the layout-position checks
+
+
+def _position_batch(vocab: int = 128) -> List[dict]:
+    """Micro-batches for the position checks: every length of ``POSITION_LENGTHS`` alone, then all of them packed
+    (forwards and backwards), tokens = their index (so a token says where it came from)."""
+    mbs = []
+    for lengths in [[n] for n in POSITION_LENGTHS] + [list(POSITION_LENGTHS), list(reversed(POSITION_LENGTHS))]:
+        cu = torch.tensor([0] + lengths).cumsum(0)
+        total = int(cu[-1])
+        mbs.append(dict(tokens=torch.arange(total) % vocab, cu_seqlens=cu, loss_mask=torch.ones(total),
+                        index=torch.arange(total, dtype=torch.float64)))
+    return mbs
+
+
+def check_positions(local: dict, mb: dict, cp: int, cp_rank: int, tp: int, multiple: int) -> Dict[str, int]:
+    """One sharded micro-batch against slime's layout, sequence by sequence: the positions this rank holds (slime's
+    ``slice_with_cp`` written out in ``tests/slime_like_tis.py``, and ``slime_rc.cp_layout``), the response log-prob
+    indices it holds for a prompt of ``1 + n // 3`` tokens (slime's ``slice_log_prob_with_cp`` and
+    ``cp_layout.zigzag_response_indices``), the tokens / fields / targets it carries, the global ``cu_seqlens``
+    (local ones times cp, the stream padding last) and the stream length (the least multiple of ``multiple`` --
+    ``tp * pad_multiplier``, made even under CP -- so a multiple of tp, as sequence parallelism needs).
+    Returns counts: ``pairs`` (sequence, rank) checked and ``mismatches``."""
+    from slime_rc.cp_layout import zigzag_response_indices, zigzag_token_positions
+
+    from .slime_like_tis import slime_response_positions, slime_slice_with_cp
+
+    cu = mb["cu_seqlens"].tolist()
+    lcu = local["cu_seqlens"].tolist()
+    bad = 0
+    for i in range(len(cu) - 1):
+        n = cu[i + 1] - cu[i]
+        pos = local["position_ids"][lcu[i]:lcu[i + 1]]
+        slime = slime_slice_with_cp(torch.arange(n), cp, cp_rank, pad_value=-1)
+        ours = zigzag_token_positions(n, cp, cp_rank)
+        held = torch.where(pos < n, pos, torch.full_like(pos, -1))
+        ok = torch.equal(held, slime) and torch.equal(pos, ours)
+        gidx = local["global_index"][lcu[i]:lcu[i + 1]]
+        ok &= torch.equal(gidx, torch.where(pos < n, cu[i] + pos, torch.full_like(pos, -1)))
+        ok &= torch.equal(local["index"][lcu[i]:lcu[i + 1]], torch.where(pos < n, gidx.double(), 0.0))
+        want_tgt = torch.where(pos + 1 < n, (cu[i] + pos + 1) % 128, torch.zeros_like(pos))
+        ok &= torch.equal(local["targets"][lcu[i]:lcu[i + 1]], want_tgt)
+        prompt = 1 + n // 3
+        resp = n - prompt
+        j = pos - (prompt - 1)
+        j = j[(j >= 0) & (j < resp)]
+        ok &= torch.equal(j, zigzag_response_indices(n, resp, cp, cp_rank))
+        ok &= torch.equal(j, slime_response_positions(n, resp, cp, cp_rank))
+        bad += not ok
+    pad = int(local["stream_padding"])
+    stream = int(local["tokens"].numel()) + pad
+    local_lens = [b - a for a, b in zip(lcu[:-1], lcu[1:])] + ([pad] if pad else [])
+    want_cu = (torch.tensor([0] + local_lens).cumsum(0) * cp).to(torch.int32)
+    psp = local["packed_seq_params"]
+    ok = torch.equal(psp.cu_seqlens_q, want_cu) and torch.equal(psp.cu_seqlens_kv_padded, want_cu)
+    ok &= psp.max_seqlen_q == int((want_cu[1:] - want_cu[:-1]).max())
+    multiple = multiple * (2 if cp > 1 and multiple % 2 else 1)
+    ok &= stream % tp == 0 and stream % multiple == 0 and pad < multiple
+    return {"pairs": len(cu) - 1, "mismatches": bad + (not ok)}
+
+
+def position_grid() -> Dict[tuple, Dict[str, int]]:
+    """:func:`check_positions` of ``shard_micro_batch`` for cp in {2, 4} x tp in {1, 2, 4} x sequence parallel or not
+    x pad_multiplier 1 / 3, every rank (the stream multiple train_step uses: ``stream_multiple(tp,
+    pad_multiplier)``).  A pure function of its arguments: runs in one process."""
+    from slime_rc.megatron.model import shard_micro_batch, stream_multiple
+
+    out = {}
+    for cp in (2, 4):
+        for tp in (1, 2, 4):
+            for sp in ((False, True) if tp > 1 else (False,)):
+                for pad_multiplier in (1, 3):
+                    counts = {"pairs": 0, "mismatches": 0}
+                    for mb in _position_batch():
+                        for r in range(cp):
+                            multiple = stream_multiple(tp, pad_multiplier)
+                            local = shard_micro_batch(mb, cp, r, stream_multiple=multiple)
+                            for k, v in check_positions(local, mb, cp, r, tp, multiple).items():
+                                counts[k] += v
+                    out[(cp, tp, sp, pad_multiplier)] = counts
+    return out
+
+
+def layout_positions() -> Dict[str, int]:
+    """:func:`check_positions` of ``shard_for_layout`` (what train_step shards) on this rank, under the current
+    megatron parallel state (its CP rank, TP size, pad_multiplier)."""
+    from megatron.core import parallel_state as ps
+
+    from slime_rc.megatron import model as M
+
+    mbs = _position_batch()
+    counts = {"pairs": 0, "mismatches": 0}
+    for mb, local in zip(mbs, M.shard_for_layout(mbs)):
+        tp = ps.get_tensor_model_parallel_world_size()
+        for k, v in check_positions(local, mb, ps.get_context_parallel_world_size(), ps.get_context_parallel_rank(),
+                                    tp, M.stream_multiple(tp, M.current_layout().pad_multiplier)).items():
+            counts[k] += v
+    return counts
+
+
 def worker(rank: int, world_size: int, names: List[str]) -> dict:
     """Runs every named layout (``REFERENCE`` = the 1-process run of every convention and variant) in this
     spawn, plus the core-attention checks (``ATTENTION_CHECKS``)."""
@@ -336,12 +457,15 @@ def worker(rank: int, world_size: int, names: List[str]) -> dict:
             for conv in conventions:
                 results[(name, conv)] = _run(name, kwargs, conv, batch, rank,
                                              VARIANTS[layout_variant(name)])
-        if name in ATTENTION_CHECKS:
-            kwargs = {} if name == REFERENCE else LAYOUTS[name][1]
-            M.initialize_parallel(**kwargs)
-            try:
+        kwargs = {} if name == REFERENCE else LAYOUTS[name][1]
+        M.initialize_parallel(**kwargs)
+        try:
+            if name in ATTENTION_CHECKS:
                 results[("attention", name)] = attention_checks(ATTENTION_CHECKS[name])
-            finally:
-                M.destroy_parallel()
+            results[("positions", name)] = layout_positions()
+        finally:
+            M.destroy_parallel()
+        if name == REFERENCE:
+            results["position_grid"] = position_grid()
     results["seconds"] = time.perf_counter() - t0
     return results

@@ -317,7 +317,10 @@ def test_megatron_policy_loss_with_a_slime_tis_function_equals_the_builtin_engin
                              tis_args=args)
     custom.backward()
     lp2 = logits.clone().requires_grad_(True)
-    builtin, m2 = policy_loss(lp2, mb, cfg, reducer=LocalReducer())
+    # a TIS function's masks zero numerators only (slime's contract): the engine with rejected tokens kept in the
+    # denominator is the same loss
+    from dataclasses import replace
+    builtin, m2 = policy_loss(lp2, mb, replace(cfg, rejected_in_denominator=True), reducer=LocalReducer())
     builtin.backward()
     assert float(m2["rollout_corr/rollout_rs_masked_fraction"]) > 0  # the case rejects something
     assert any(k.startswith("rollout_corr/tis_function/") for k in m1) and not set(m1) & set(m2) - {"pg_loss", "pg_clipfrac", "ppo_kl"}

@@ -6,6 +6,13 @@ TP2xCP2, TP2xCP2+SP, PP2+VPP2xDP2); each spawn re-initialises megatron's paralle
 (``tests/megatron_harness.py``).  Layouts of 2 ranks run in the 2-process spawn so that they are exactly that
 layout (in a 4-process world megatron would add DP2 to each).
 
+The data layout is slime's (``slime_rc.cp_layout``): per-sequence zigzag padding only, each rank's packed stream
+padded at its end to a multiple of ``tp * pad_multiplier`` (some CP layouts set ``pad_multiplier`` so that the
+stream-padding segment goes through the CP attention and RoPE).  The positions every rank holds are checked against
+slime's ``slice_with_cp`` / ``slice_log_prob_with_cp`` (written out in ``tests/slime_like_tis.py``) for sequence
+lengths 1..40: in every layout under megatron's real parallel state, and for the grid cp in {2, 4} x tp in
+{1, 2, 4} x sequence parallel or not in one process.
+
 Per layout: ``N_STEPS`` optimizer steps (Adam, megatron's ``get_megatron_optimizer``, DDP, schedules) on a global
 batch of 8 packed micro-batches of variable-length sequences (a different total length per micro-batch), then one
 forward-only pass, with the token-level REINFORCE loss ``-sum(logp * adv * mask) / loss tokens of the global
@@ -25,11 +32,11 @@ import pytest
 import torch
 
 from .dist_utils import run_distributed
-from .megatron_harness import ATTENTION_CHECKS, LAYOUTS, N_MICRO_BATCHES, N_STEPS, REFERENCE, global_loss_tokens, \
-    make_global_batch, reference_key, worker
+from .megatron_harness import ATTENTION_CHECKS, LAYOUTS, N_MICRO_BATCHES, N_STEPS, REFERENCE, TIS_FUNCTIONS, \
+    global_loss_tokens, make_global_batch, reference_key, worker
 
 RTOL = 1e-5
-SPAWN_TIMEOUT_S = 300
+SPAWN_TIMEOUT_S = 600  # a deadlock guard, not a budget: the 4-process spawn takes minutes on 2 shared cores
 CASES = [(name, conv) for name, spec in LAYOUTS.items() for conv in spec[2]]
 EXPECTED_SIZES = {  # name -> (tp, pp, vpp, cp, dp, sp)
     "tp2": (2, 1, 1, 1, 1, False), "tp2_sp": (2, 1, 1, 1, 1, True), "pp2": (1, 2, 1, 1, 1, False),
@@ -61,6 +68,7 @@ def layout_runs() -> Dict[str, List[dict]]:
                 out[(name, conv)] = [r[(name, conv)] for r in per_rank]
             if name in ATTENTION_CHECKS:
                 out[("attention", name)] = [r[("attention", name)] for r in per_rank]
+            out[("positions", name)] = [r[("positions", name)] for r in per_rank]
     return out
 
 
@@ -139,6 +147,32 @@ def test_core_attention_matches_torch_sdpa(reference, layout_runs, where):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# the data layout is slime's
+# ---------------------------------------------------------------------------------------------------------------
+def test_positions_equal_slimes_for_every_length_rank_cp_and_tp(reference):
+    """``shard_micro_batch`` for cp in {2, 4} x tp in {1, 2, 4} x SP or not x pad_multiplier 1 / 3: for every
+    sequence length 1..40 (alone and packed) and every rank, the positions held, the response log-prob indices held,
+    the tokens / fields / targets carried equal slime's (and ``slime_rc.cp_layout``'s); the global cu_seqlens are the
+    local ones times cp with the stream padding last, and the stream is a multiple of tp."""
+    grid = reference["position_grid"]
+    want = {(cp, tp, sp, pm) for cp in (2, 4) for tp in (1, 2, 4) for sp in ((False, True) if tp > 1 else (False,))
+            for pm in (1, 3)}
+    assert set(grid) == want, sorted(set(grid) ^ want)
+    for key, counts in grid.items():
+        assert counts["pairs"] == key[0] * (40 + 2 * 40), (key, counts)  # 40 alone + 2 packed batches of 40, per rank
+        assert counts["mismatches"] == 0, (key, counts)
+
+
+@pytest.mark.parametrize("name", [REFERENCE] + list(LAYOUTS))
+def test_positions_under_megatron_parallel_state(reference, layout_runs, name):
+    """What train_step shards (``shard_for_layout``, megatron's CP rank and TP size, the layout's pad_multiplier)
+    equals slime's layout on every rank."""
+    per_rank = [reference[("positions", REFERENCE)]] if name == REFERENCE else layout_runs[("positions", name)]
+    for rank, counts in enumerate(per_rank):
+        assert counts["pairs"] == 120 and counts["mismatches"] == 0, (name, rank, counts)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # every layout vs the 1-process run
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name,conv", CASES)
@@ -206,6 +240,7 @@ def test_interleaved_pipeline_on_gloo_refuses_as_many_micro_batches_as_stages(la
 
 
 POLICY_CASES = [(n, c) for n, c in CASES if c.startswith("policy_") and c != "policy_tis_function"]
+FUNCTION_CASES = [(n, c) for n, c in CASES if c in TIS_FUNCTIONS]
 
 
 def test_policy_references_correct_and_reject(reference):
@@ -242,3 +277,39 @@ def test_policy_correction_metrics_match(reference, layout_runs, name, conv):
                 if k.startswith("rollout_corr/tis_function/"):
                     continue  # a custom function's metrics are this rank's token means (documented), not global
                 assert abs(got[k] - v) <= tol * max(1.0, abs(v)), (name, conv, step, i, k, got[k], v)
+
+
+def test_tis_function_references_report_their_metrics(reference):
+    """The slime-contract functions' own metrics come back reduced as slime reduces them: for the function written
+    like slime's example, ``lower_bound`` is ``1 / args.tis_upper_bound`` of the config (1.5) on every token -- so
+    each sample's masked mean is that constant, except for samples without loss tokens (0), and slime divides by
+    all the samples of the global batch -- and it truncated something."""
+    masks = [mb["loss_mask"][a:b] for mb in make_global_batch()
+             for a, b in zip(mb["cu_seqlens"][:-1].tolist(), mb["cu_seqlens"][1:].tolist())]
+    with_tokens = sum(float(m.sum()) > 0 for m in masks)
+    assert 0 < with_tokens < len(masks)  # some samples have no loss token: they count in the denominator
+    slime_fn = reference[(REFERENCE, "policy_slime_function", "base")]["function_metrics"]
+    for step in range(N_STEPS):
+        m = slime_fn[step]
+        assert sorted(m) == [f"rollout_corr/tis_function/{k}" for k in ("kl", "lower_bound", "seq_log_ratio",
+                                                                          "truncate_fraction", "weight_mean")], m
+        want = (1 / 1.5) * with_tokens / len(masks)
+        assert abs(m["rollout_corr/tis_function/lower_bound"] - want) < 1e-7, (m, want)
+        assert 0 < m["rollout_corr/tis_function/truncate_fraction"] < 0.5, m
+    ours = reference[(REFERENCE, "policy_tis_function", "base")]["function_metrics"][0]
+    assert "rollout_corr/tis_function/kl" in ours and len(ours) > 10, sorted(ours)
+
+
+@pytest.mark.parametrize("name,conv", FUNCTION_CASES)
+def test_tis_function_metrics_match(reference, layout_runs, name, conv):
+    """A TIS function's own metrics (slime's reduction: per-sample means over the original loss mask, summed over
+    micro-batches, all-reduced over DP x CP, per global sample) equal the 1-process run's under CP (its per-token
+    values are CP-local), on every reporting rank.  (Here they depend on the data only: pi_old is given.)"""
+    ref = reference[reference_key(name, conv)]["function_metrics"]
+    for step in range(N_STEPS):
+        reported = [r["function_metrics"][step] for r in layout_runs[(name, conv)] if r["function_metrics"][step]]
+        assert reported, (name, conv, step)
+        for got in reported:
+            assert sorted(got) == sorted(ref[step])
+            for k, v in ref[step].items():
+                assert abs(got[k] - v) <= 1e-6 * max(1.0, abs(v)), (name, conv, step, k, got[k], v)

@@ -1,6 +1,8 @@
 """The GRPO loop of ``slime-rc train`` (``slime_rc.train.loop``): same seed and global batch give the same per-step
 metrics in every parallel layout (1 process, TP2xPP2, CP2xDP2), in decoupled and bypass mode; metrics-only
-monitoring, ``decoupled_metrics`` and ``dump_logprobs`` leave the training bit-identical."""
+monitoring, ``decoupled_metrics`` and ``dump_logprobs`` leave the training bit-identical; a TIS function written to
+slime's contract (``tests/slime_like_tis.py``, like slime's example ``mis.py``) trains the same at CP=1, 2 and 4
+with slime's reduction of its metrics."""
 
 from __future__ import annotations
 
@@ -11,6 +13,9 @@ from .dist_utils import run_distributed
 STEPS = 3
 LAYOUTS = {"single": (1, dict()), "tp2_pp2": (4, dict(tp=2, pp=2)), "cp2_dp2": (4, dict(cp=2))}
 MODES = ("decoupled", "bypass")
+# --custom-tis-function-path runs: a function written like slime's example, at CP=1, 2 (with DP2) and 4
+SLIME_FN = "tests.slime_like_tis.compute_weights_with_cp"
+TIS_LAYOUTS = {"single": (1, dict()), "cp2_dp2": (4, dict(cp=2)), "cp4": (4, dict(cp=4))}
 
 
 def _config(mode):
@@ -32,7 +37,19 @@ MONITOR_RUNS = {  # name -> (config fields, TrainSettings fields); dump_logprobs
 }
 
 
-def worker(rank, world, names, dump_dir=None):
+def _tis_config():
+    from slime_rc import RolloutCorrectionConfig, parse_rejection_criteria
+    return RolloutCorrectionConfig(is_level="token", is_upper_bound=1.5, rs=parse_rejection_criteria("token", "0.7_1.4"))
+
+
+def _caller_args():
+    """The caller's args as a launch line leaves them: slime's keys None (not given), plus an attribute of its own."""
+    import argparse
+    return argparse.Namespace(tis_upper_bound=None, tis_lower_bound=None, use_tis=None, rs_upper_bound=None,
+                              mine="kept")
+
+
+def worker(rank, world, names, dump_dir=None, tis_names=()):
     import os
 
     import torch
@@ -49,6 +66,13 @@ def worker(rank, world, names, dump_dir=None):
             settings = TrainSettings(num_steps=STEPS, prompts_per_step=16, group_size=4, logit_noise=0.3,
                                      rollout_dtype="fp32", **LAYOUTS[name][1])
             out[(name, mode)] = run_training(settings, _config(mode))
+    for name in tis_names:
+        from slime_rc.plugins import load_function
+        settings = TrainSettings(num_steps=STEPS, prompts_per_step=16, group_size=4, logit_noise=0.3,
+                                 rollout_dtype="fp32", **TIS_LAYOUTS[name][1])
+        args = _caller_args()
+        hist = run_training(settings, _tis_config(), tis_function=load_function(SLIME_FN), tis_args=args)
+        out[("tis", name)] = (hist, vars(args))
     if dump_dir is not None:  # metrics-only monitoring: count the forward-only passes the loop makes
         real, calls = loop.self_log_probs, []
         loop.self_log_probs = lambda *a, **k: calls.append(1) or real(*a, **k)
@@ -69,12 +93,17 @@ def runs(tmp_path_factory):
     out["dump_dir"] = dump_dir
     for world in (1, 4):
         names = [n for n, (w, _) in LAYOUTS.items() if w == world]
-        per_rank = run_distributed(worker, world, args=(names, dump_dir if world == 1 else None), timeout=300)
+        tis_names = [n for n, (w, _) in TIS_LAYOUTS.items() if w == world]
+        per_rank = run_distributed(worker, world, args=(names, dump_dir if world == 1 else None, tis_names),
+                                   timeout=420)
         for key, hist in per_rank[0].items():
             out[key] = hist
+            if key[0] == "tis":
+                hist = hist[0]
             for r in per_rank[1:]:
-                assert r[key] == hist or all(abs(a[k] - b[k]) <= 1e-9 * max(1, abs(b[k]))
-                                             for a, b in zip(r[key], hist) for k in b if not k.startswith("time/"))
+                other = r[key][0] if key[0] == "tis" else r[key]
+                assert other == hist or all(abs(a[k] - b[k]) <= 1e-9 * max(1, abs(b[k]))
+                                            for a, b in zip(other, hist) for k in b if not k.startswith("time/"))
     return out
 
 
@@ -152,6 +181,34 @@ def test_same_metrics_in_every_layout(runs, layout, mode):
                 continue
             tol = 1e-5 if step == 0 else 1e-4  # later steps start from weights with Adam's ~1e-6 noise
             assert abs(a[k] - v) <= tol * max(1.0, abs(v)), (layout, mode, step, k, a[k], v)
+
+
+def test_slime_contract_function_trains_the_same_at_cp_1_2_4(runs):
+    """A function written to slime's TIS contract (it all-gathers each sequence over megatron's CP group, returns
+    full-length masks and CP-local weights / metrics) as --custom-tis-function-path: loss, grad norm, rewards and its
+    own metrics (slime's reduction: per-sample means over the original mask, summed over micro-batches and DP x CP,
+    per global sample) are those of the 1-process run at CP=2 (x DP2) and CP=4.  It read slime's attributes with the
+    resolved values from a copy of the caller's args, which is left as it was."""
+    ref, caller = runs[("tis", "single")]
+    assert caller == vars(_caller_args()), caller  # not modified
+    names = {k for k in ref[0] if k.startswith("rollout_corr/tis_function/")}
+    assert names == {f"rollout_corr/tis_function/{k}" for k in ("kl", "truncate_fraction", "seq_log_ratio",
+                                                                  "weight_mean", "lower_bound")}, sorted(ref[0])
+    for m in ref:  # 1 / args.tis_upper_bound read off args (float32), reduced per sample: the constant
+        assert abs(m["rollout_corr/tis_function/lower_bound"] - 1 / 1.5) < 1e-7, m
+        assert 0 < m["rollout_corr/tis_function/truncate_fraction"] < 1 and m["grad_norm"] > 0, m
+    assert not any(k.startswith("rollout_corr/") and k not in names for k in ref[0]), sorted(ref[0])
+    for layout in ("cp2_dp2", "cp4"):
+        got, caller = runs[("tis", layout)]
+        assert caller == vars(_caller_args())
+        for step, (a, b) in enumerate(zip(got, ref)):
+            assert sorted(a) == sorted(b), (layout, sorted(set(a) ^ set(b)))
+            assert a["reward_mean"] == b["reward_mean"], (layout, step)
+            for k, v in b.items():
+                if k.startswith("time/"):
+                    continue
+                tol = 1e-5 if step == 0 else 1e-4  # later steps start from weights with Adam's ~1e-6 noise
+                assert abs(a[k] - v) <= tol * max(1.0, abs(v)), (layout, step, k, a[k], v)
 
 
 def test_slime_rc_train_command_writes_metrics(tmp_path):
@@ -233,16 +290,21 @@ def test_train_with_an_sglang_server(tmp_path):
     assert bad.returncode == 2 and "--sglang-url" in bad.stderr
 
 
-def test_train_with_a_custom_tis_function(tmp_path):
-    """``--custom-tis-function-path``: the loss takes the weights from the function (its metrics get their prefix)."""
+@pytest.mark.parametrize("spec", ["mis", SLIME_FN])
+def test_train_with_a_custom_tis_function(tmp_path, spec):
+    """``--custom-tis-function-path``: the loss takes the weights from the function (its metrics get their prefix).
+    A function written like slime's example reads ``args.tis_upper_bound`` (``1.0 / args.tis_upper_bound``) although
+    the launch line gives only ``--use-tis``: it gets the resolved default (2.0), not the flag's None."""
     import json
     import os
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run([sys.executable, "-m", "slime_rc", "train", "--num-steps", "2", "--prompts-per-step", "8",
-                           "--use-tis", "--logit-noise", "0.5", "--custom-tis-function-path", "mis",
+                           "--use-tis", "--logit-noise", "0.5", "--custom-tis-function-path", spec,
                            "--output-dir", str(tmp_path)], capture_output=True, text=True, cwd=root, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert any(k.startswith("rollout_corr/tis_function/") for k in rows[0]), sorted(rows[0])
+    if spec == SLIME_FN:
+        assert all(abs(r["rollout_corr/tis_function/lower_bound"] - 0.5) < 1e-7 for r in rows), rows

@@ -13,7 +13,10 @@ cannot be installed without CUDA.  :class:`ContextParallelDotProductAttention` i
   has no reduce-scatter), the queries stay local;
 * the mask is causal over the *global* positions of the zigzag chunks, and, for packed ``thd`` input, block-diagonal
   over sequences, using the padded ``cu_seqlens`` of the ``PackedSeqParams`` (``cu_seqlens_q_padded`` when set,
-  else ``cu_seqlens_q``; they are the *global* padded boundaries, each sequence a multiple of ``2 * cp``);
+  else ``cu_seqlens_q``; they are the *global* padded boundaries, each sequence a multiple of ``2 * cp``).  A
+  trailing stream-padding segment (slime's ``get_batch`` and ``shard_micro_batch`` pad each rank's packed stream to
+  a multiple of ``tp * pad_multiplier``, which sequence parallelism needs) is one more segment: its tokens attend
+  only among themselves, never to or from a real sequence;
 * with ``cp == 1`` it is plain (packed or unpacked) causal softmax attention.
 
 It computes the full ``[heads, local queries, global keys]`` score matrix: fine for tests and small models, not a
@@ -40,6 +43,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
+
+from ..cp_layout import packed_zigzag_positions
 
 HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
 
@@ -74,24 +79,18 @@ class _AllGatherCP(torch.autograd.Function):
 
 
 def zigzag_positions(padded_lengths, cp_size: int, cp_rank: int) -> Tuple[Tensor, Tensor]:
-    """For padded sequence lengths (each a multiple of ``2 * cp_size`` when ``cp_size > 1``): the sequence id and
-    the position inside its sequence of every token this CP rank holds, in its local (packed) order."""
-    seq_ids, positions = [], []
-    for i, length in enumerate(int(x) for x in padded_lengths):
-        if cp_size == 1:
-            pos = torch.arange(length, dtype=torch.int64)
-        else:
+    """For the segments of a packed stream -- the *global* padded lengths of ``cu_seqlens`` (each a multiple of
+    ``2 * cp_size`` when ``cp_size > 1``; a trailing stream-padding segment included) -- the segment id and the
+    position inside its segment of every token this CP rank holds, in its local (packed) order.  The layout is
+    :mod:`slime_rc.cp_layout`'s (the one copy); this only checks the lengths are already padded."""
+    lengths = [int(x) for x in padded_lengths]
+    if cp_size > 1:
+        for i, length in enumerate(lengths):
             if length % (2 * cp_size):
-                raise ValueError(f"sequence {i}: padded length {length} is not a multiple of 2*cp={2 * cp_size}")
-            c = length // (2 * cp_size)
-            pos = torch.cat([torch.arange(cp_rank * c, (cp_rank + 1) * c, dtype=torch.int64),
-                             torch.arange((2 * cp_size - 1 - cp_rank) * c, (2 * cp_size - cp_rank) * c,
-                                          dtype=torch.int64)])
-        positions.append(pos)
-        seq_ids.append(torch.full((pos.numel(),), i, dtype=torch.int64))
-    if not positions:
-        return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
-    return torch.cat(seq_ids), torch.cat(positions)
+                raise ValueError(f"segment {i}: padded length {length} in cu_seqlens is not a multiple of "
+                                 f"2*cp={2 * cp_size}; pad each sequence with slime_rc.cp_layout."
+                                 f"zigzag_padded_length (shard_micro_batch does)")
+    return packed_zigzag_positions(lengths, cp_size, cp_rank)
 
 
 class ContextParallelDotProductAttention(MegatronModule):

@@ -84,53 +84,235 @@ def prepare_global_batch(micro_batches: Sequence[Dict[str, torch.Tensor]], confi
     return out
 
 
+# A slime-contract function's metrics, as logged: ``rollout_corr/tis_function/<its key>`` (its keys verbatim).
+TIS_FUNCTION_PREFIX = "tis_function/"
+TIS_FUNCTION_METRICS = "rollout_corr/" + TIS_FUNCTION_PREFIX
+
+
 def with_sample_fields(micro_batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """Add what slime's TIS-function contract needs to an *unsharded* packed micro-batch: ``sample_lengths`` (each
-    sequence's length T_i, slime's total length; its response is positions 1..T_i-1, i.e. the T_i - 1 targets) and
-    ``sample_loss_masks`` (each sequence's full-length response mask).  Lists, so CP sharding passes them through."""
+    """Add what slime's TIS-function contract needs to an *unsharded* packed micro-batch (lists, so CP sharding
+    passes them through):
+
+    * ``sample_lengths``: each sequence's length ``T_i`` (slime's ``total_lengths``);
+    * ``sample_response_lengths``: slime's ``response_lengths`` -- from ``micro_batch["response_lengths"]`` (a
+      list, one per sequence) when the caller knows where each prompt ends, else ``T_i - 1`` (every target is a
+      response token; the loss mask says which count).  Response log-prob ``j`` sits at position
+      ``T_i - R_i - 1 + j``;
+    * ``sample_loss_masks``: each sequence's full-length response loss mask (``torch.int``, ``R_i`` entries), as
+      slime passes ``loss_masks``.
+
+    Loss positions outside the response span (a prompt position with ``loss_mask`` 1) would be invisible to the
+    function: refused, naming the sample."""
     cu = micro_batch["cu_seqlens"].tolist()
     mask = micro_batch["loss_mask"]
+    lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    given = micro_batch.get("response_lengths")
+    if given is None:
+        responses = [max(n - 1, 0) for n in lengths]
+    else:
+        responses = [int(r) for r in given]
+        if len(responses) != len(lengths):
+            raise ValueError(f"micro_batch['response_lengths'] has {len(responses)} entries for {len(lengths)} "
+                             f"sequences (cu_seqlens {cu}); give one response length per packed sequence")
+    masks = []
+    for i, (a, n, r) in enumerate(zip(cu[:-1], lengths, responses)):
+        if n and not 0 <= r <= n - 1:
+            raise ValueError(f"sequence {i}: response length {r} does not fit its {n} tokens: a response of R "
+                             f"tokens needs a prompt of at least one token (R <= {n - 1}); fix "
+                             f"micro_batch['response_lengths'][{i}]")
+        start = a + n - r - 1 if n else a
+        outside = torch.cat([mask[a:start], mask[start + r:a + n]])
+        if bool((outside != 0).any()):
+            raise ValueError(f"sequence {i}: loss_mask is non-zero outside its response (positions "
+                             f"{start - a}..{start - a + r - 1} of {n}); a TIS function only sees response tokens: "
+                             f"set micro_batch['response_lengths'][{i}] to cover them or zero the mask there")
+        masks.append(mask[start:start + r].to(torch.int))
     out = dict(micro_batch)
-    out["sample_lengths"] = [b - a for a, b in zip(cu[:-1], cu[1:])]
-    out["sample_loss_masks"] = [mask[a:max(b - 1, a)].float() for a, b in zip(cu[:-1], cu[1:])]
+    out["sample_lengths"] = lengths
+    out["sample_response_lengths"] = responses
+    out["sample_loss_masks"] = masks
     return out
 
 
+def _function_name(fn: Callable) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', getattr(fn, '__name__', repr(fn)))}"
+
+
+def _flat(value, what: str) -> torch.Tensor:
+    if isinstance(value, (list, tuple)):
+        return torch.cat([torch.as_tensor(v).reshape(-1) for v in value]) if len(value) else torch.zeros(0)
+    if isinstance(value, torch.Tensor):
+        return value.reshape(-1)
+    raise ValueError(f"{what} is a {type(value).__name__}; expected a tensor (or a list of per-sample tensors)")
+
+
 def tis_function_correction(tis_function: Callable, args, micro_batch: Dict[str, torch.Tensor],
-                            train_log_probs: torch.Tensor) -> CorrectionResult:
-    """Weights and keep mask of this rank's tokens from a slime-contract TIS function
-    (``fn(args, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths)``,
-    see :mod:`slime_rc.plugins`).  It is called with ``pg_loss = 1``, so the ``pg_loss * weights`` it returns is the
-    weights.  ``micro_batch``: this rank's tokens with ``position_ids`` (position in its sequence) and the fields of
-    :func:`with_sample_fields`.  The function's own metrics come back as ``tis_function/<name>``: this rank's token
-    means (the function defines what they mean; they are not global like the engine's metrics)."""
+                            train_log_probs: torch.Tensor, *,
+                            config: Optional[RolloutCorrectionConfig] = None) -> CorrectionResult:
+    """Weights and keep mask of this rank's tokens from a function written to slime's TIS contract (slime's
+    ``--custom-tis-function-path``; see ``docs/losses.md``), called as slime calls it::
+
+        pg_loss, masks, metrics = fn(args=..., pg_loss=..., train_log_probs=[...], rollout_log_probs=[...],
+                                     loss_masks=[...], total_lengths=[...], response_lengths=[...])
+
+    with ``pg_loss = 1`` on this rank's response tokens (so the ``pg_loss * weights`` it returns is the weights),
+    the log-probs of this rank's response tokens per sample (CP-local, slime's zigzag positions:
+    :func:`slime_rc.cp_layout.zigzag_response_indices`), the *full-length* ``torch.int`` loss masks, and ``args``
+    = :func:`slime_rc.slime.attributes.with_slime_attributes` ``(args, config)`` when ``config`` is given (a copy;
+    the caller's ``args`` is not modified).
+
+    What it returns: ``pg_loss`` CP-local (as given); ``masks`` one per sample, **full response length** (slime's
+    contract: they are cut to this rank's positions here) -- a CP-local mask of this rank's length is accepted too;
+    any other length is refused naming the function and the sample.  ``metrics``: name -> per-token values of this
+    rank's response tokens (a tensor, or a list of per-sample tensors).  Each comes back as
+    ``tis_function/<name>`` (``rollout_corr/tis_function/<name>`` in the loss metrics) holding this rank's share
+    of slime's reduction for this micro-batch: the sum over samples of the metric's sum over the sample's original
+    loss mask, divided by the sample's full mask sum (at least 1) -- a plain token sum with
+    ``calculate_per_token_loss`` (``config.loss_agg == "token_mean"``).  :func:`reduce_tis_function_metrics`
+    finishes slime's reduction over micro-batches and DP x CP.
+
+    ``micro_batch``: this rank's tokens with ``position_ids``, ``cp_size`` / ``cp_rank`` and the fields of
+    :func:`with_sample_fields`."""
+    from ..cp_layout import zigzag_response_indices
+
     missing = [k for k in ("position_ids", "sample_lengths", "sample_loss_masks") if k not in micro_batch]
     if missing:
         raise ValueError(f"a custom TIS function needs {', '.join(missing)} in the micro-batch: run "
                          f"slime_rc.megatron.loss.with_sample_fields on it before CP sharding")
+    name = _function_name(tis_function)
+    if config is not None:
+        from ..slime.attributes import with_slime_attributes
+        args = with_slime_attributes(args, config)
+    per_token_loss = bool(getattr(args, "calculate_per_token_loss", False))
+    cp_size, cp_rank = int(micro_batch.get("cp_size", 1)), int(micro_batch.get("cp_rank", 0))
     cu, pos = micro_batch["cu_seqlens"].tolist(), micro_batch["position_ids"]
     lengths = [int(n) for n in micro_batch["sample_lengths"]]
+    responses = [int(r) for r in micro_batch.get("sample_response_lengths", [max(n - 1, 0) for n in lengths])]
+    full_masks = list(micro_batch["sample_loss_masks"])
+    if not len(lengths) == len(responses) == len(full_masks) == len(cu) - 1:
+        raise ValueError(f"micro-batch has {len(cu) - 1} sequences but {len(lengths)} sample_lengths, "
+                         f"{len(responses)} sample_response_lengths and {len(full_masks)} sample_loss_masks: run "
+                         f"with_sample_fields on the unsharded micro-batch")
     rollout = micro_batch["rollout_log_probs"]
-    picks = []
-    for i, total in enumerate(lengths):  # response log-prob j sits at position j (prompt = the first token)
-        local = torch.arange(cu[i], cu[i + 1])
-        picks.append(local[pos[cu[i]:cu[i + 1]] < total - 1])
+    picks, held = [], []
+    for i, (total, resp) in enumerate(zip(lengths, responses)):
+        rows = torch.arange(cu[i], cu[i + 1])
+        j = pos[cu[i]:cu[i + 1]] - (total - resp - 1)  # response log-prob j sits at position prompt - 1 + j
+        keep = (j >= 0) & (j < resp)
+        want = zigzag_response_indices(total, resp, cp_size, cp_rank)
+        if not torch.equal(j[keep].cpu(), want):
+            raise RuntimeError(f"sample {i} (total {total}, response {resp}): this rank holds response positions "
+                               f"{j[keep].tolist()}, slime's zigzag layout (cp {cp_size}, rank {cp_rank}) gives "
+                               f"{want.tolist()}; shard the micro-batch with slime_rc.megatron.model.shard_micro_batch")
+        picks.append(rows[keep])
+        held.append(want)
     idx = torch.cat(picks) if picks else torch.zeros(0, dtype=torch.int64)
+    n_local = idx.numel()
     train = train_log_probs.detach().float()
-    pg, masks, metrics = tis_function(
-        args, pg_loss=torch.ones(idx.numel()), train_log_probs=[train[p] for p in picks],
-        rollout_log_probs=[rollout[p].float() for p in picks], loss_masks=list(micro_batch["sample_loss_masks"]),
-        total_lengths=lengths, response_lengths=[max(n - 1, 0) for n in lengths])
+    result = tis_function(
+        args=args, pg_loss=torch.ones(n_local), train_log_probs=[train[p] for p in picks],
+        rollout_log_probs=[rollout[p].float() for p in picks], loss_masks=full_masks, total_lengths=lengths,
+        response_lengths=responses)
+    if not (isinstance(result, (tuple, list)) and len(result) == 3):
+        raise ValueError(f"TIS function {name} returned {type(result).__name__}; slime's contract is a tuple "
+                         f"(pg_loss, modified_masks, metrics)")
+    pg, masks, metrics = result
+    pg = _flat(pg, f"TIS function {name}: pg_loss").detach().float()
+    if pg.numel() != n_local:
+        raise ValueError(f"TIS function {name} returned pg_loss of {pg.numel()} values; it was given {n_local} "
+                         f"(this rank's response tokens, CP-local) and must return as many")
+    if masks is None or len(masks) != len(lengths):
+        raise ValueError(f"TIS function {name} returned {'no' if masks is None else len(masks)} modified masks "
+                         f"for {len(lengths)} samples; return one mask per sample (full response length)")
+    local_masks = []
+    for i, (m, j, resp) in enumerate(zip(masks, held, responses)):
+        m = torch.as_tensor(m).reshape(-1)
+        if m.numel() == resp:
+            local_masks.append(m[j].float())
+        elif m.numel() == j.numel():
+            local_masks.append(m.float())
+        else:
+            raise ValueError(f"TIS function {name}: modified mask of sample {i} has {m.numel()} entries; expected "
+                             f"the full response length {resp} (slime's contract) or this rank's {j.numel()} "
+                             f"response tokens (cp {cp_size}, rank {cp_rank})")
     n = train.numel()
-    weights = torch.zeros(n).index_copy(0, idx, pg.detach().reshape(-1).float())
-    kept = torch.cat(list(masks)).float() if len(masks) else torch.zeros(0)
+    weights = torch.zeros(n).index_copy(0, idx, pg)
+    kept = torch.cat(local_masks) if local_masks else torch.zeros(0)
     keep = torch.zeros(n).index_copy(0, idx, kept) * micro_batch["loss_mask"].float()
-    # The function's metrics are per-token values in slime's format; their meaning is the function's.  They are
-    # reported as this rank's token means under their own prefix, never under the engine's global metric names.
-    flat = {k: (torch.cat(list(v)) if isinstance(v, (list, tuple)) else v) for k, v in metrics.items()}
-    return CorrectionResult(is_weights=weights * keep, keep_mask=keep,
-                            metrics={f"tis_function/{k}": v.float().mean() if v.numel() else torch.zeros(())
-                                     for k, v in flat.items()})
+
+    # slime's reduction of the function's metrics (per micro-batch, this rank's share): per-sample masked sum over
+    # the ORIGINAL loss mask / the sample's full mask sum (clamped to 1); a token sum with per-token loss
+    orig = [full_masks[i].reshape(-1)[j].double() for i, j in enumerate(held)]
+    counts = [j.numel() for j in held]
+    denoms = [1.0 if per_token_loss else max(float(full_masks[i].sum()), 1.0) for i in range(len(held))]
+    out = {}
+    if not isinstance(metrics, dict):
+        raise ValueError(f"TIS function {name} returned metrics of type {type(metrics).__name__}; slime's contract "
+                         f"is a dict name -> per-token tensor (CP-local)")
+    for key, value in metrics.items():
+        flat = _flat(value, f"TIS function {name}: metric {key!r}").detach().double()
+        if flat.numel() != n_local:
+            raise ValueError(f"TIS function {name}: metric {key!r} has {flat.numel()} values; expected one per "
+                             f"response token this rank was given ({n_local}, CP-local, like pg_loss)")
+        parts = flat.split(counts) if counts else []
+        total = torch.zeros((), dtype=torch.float64)
+        for x, m, d in zip(parts, orig, denoms):
+            total = total + (x * m).sum() / d
+        out[TIS_FUNCTION_PREFIX + str(key)] = total
+    return CorrectionResult(is_weights=weights * keep, keep_mask=keep, metrics=out)
+
+
+def tis_function_metric_count(local_micro_batches: Sequence[Dict], per_token_loss: bool) -> float:
+    """This rank's share of slime's denominator for the TIS function's metrics: its samples, or with per-token loss
+    the sum over its samples of ``max(full mask sum, 1)`` (slime's ``num_tokens``).  Every CP rank counts the same
+    samples (the full masks), so the sum over DP x CP is ``cp`` times the step's."""
+    total = 0.0
+    for lmb in local_micro_batches:
+        masks = lmb.get("sample_loss_masks")
+        if masks is None:
+            raise ValueError("the local micro-batches lack sample_loss_masks: run with_sample_fields before sharding")
+        total += sum(max(float(m.sum()), 1.0) for m in masks) if per_token_loss else float(len(masks))
+    return total
+
+
+def reduce_tis_function_metrics(micro_batch_metrics: Sequence[Dict[str, torch.Tensor]],
+                                local_micro_batches: Sequence[Dict], config: RolloutCorrectionConfig, *,
+                                group=None, cp_size: Optional[int] = None) -> Dict[str, float]:
+    """slime's reduction of a TIS function's metrics over one step: the per-micro-batch shares of
+    :func:`tis_function_correction` (``rollout_corr/tis_function/<name>`` in each micro-batch's loss metrics) summed
+    over this rank's micro-batches, all-reduced over ``group`` (default megatron's DP x CP group), divided by the
+    step's global number of samples -- or of tokens (``max(mask sum, 1)`` per sample) when ``config.loss_agg ==
+    "token_mean"`` (slime's ``calculate_per_token_loss``).  Returns ``{"rollout_corr/tis_function/<name>": value}``.
+
+    Collective over ``group``: call it on every rank of the last pipeline stage (where the loss ran), with the
+    micro-batches that stage's loss saw."""
+    import torch.distributed as dist
+
+    per_token = config.loss_agg == "token_mean"
+    keys = sorted({k for m in micro_batch_metrics for k in m if k.startswith(TIS_FUNCTION_METRICS)})
+    distributed = dist.is_available() and dist.is_initialized()
+    if distributed and group is None:
+        from megatron.core import parallel_state as ps
+        group = ps.get_data_parallel_group(with_context_parallel=True)
+        cp_size = ps.get_context_parallel_world_size() if cp_size is None else cp_size
+    cp_size = 1 if cp_size is None else int(cp_size)
+    if distributed and dist.get_world_size(group) > 1:
+        everyone: List = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, keys, group=group)
+        for other in everyone:
+            if other != keys:
+                raise ValueError(f"the TIS function returned different metric names on different ranks ({keys} vs "
+                                 f"{other}); slime sums each name over DP x CP: return the same keys everywhere")
+    values = torch.zeros(len(keys) + 1, dtype=torch.float64)
+    for m in micro_batch_metrics:
+        for i, k in enumerate(keys):
+            if k in m:
+                values[i] += float(m[k])
+    values[-1] = tis_function_metric_count(local_micro_batches, per_token)
+    if distributed and dist.get_world_size(group) > 1:
+        dist.all_reduce(values, group=group)
+    count = float(values[-1]) / cp_size
+    return {k: float(values[i]) / count if count > 0 else 0.0 for i, k in enumerate(keys)}
 
 
 def policy_loss(logits: torch.Tensor, micro_batch: Dict[str, torch.Tensor], config: RolloutCorrectionConfig, *,
@@ -142,8 +324,11 @@ def policy_loss(logits: torch.Tensor, micro_batch: Dict[str, torch.Tensor], conf
     ``logits``: ``[N, V / tp]`` (this rank's tokens, its vocab shard).  ``micro_batch``: :data:`REQUIRED` plus
     ``old_log_probs`` / ``rollout_log_probs`` as the mode needs.  ``prepared``: from :func:`prepare_global_batch`
     (then ``scale`` should be ``num_microbatches * dp_size``); otherwise the correction runs here over the CP group.
-    ``tis_function`` (``--custom-tis-function-path``, called with ``tis_args``): weights and keep mask come from it
-    (:func:`tis_function_correction`) instead of the built-in engine; the loss around them is the same.
+    ``tis_function`` (``--custom-tis-function-path``, called with a copy of ``tis_args`` carrying slime's attributes
+    for ``config``): weights and keep mask come from it (:func:`tis_function_correction`) instead of the built-in
+    engine; the loss around them is the same, with slime's denominators: the original loss mask (the function's masks
+    zero numerators only, as in slime's loss).  Its metrics are this rank's shares of slime's reduction
+    (:func:`reduce_tis_function_metrics` finishes it).
     """
     missing = [k for k in REQUIRED if k not in micro_batch]
     if missing:
@@ -156,7 +341,9 @@ def policy_loss(logits: torch.Tensor, micro_batch: Dict[str, torch.Tensor], conf
         kwargs = dict(correction=prepared.correction, normalizer=prepared.normalizer)
     elif tis_function is not None:
         train = log_probs if config.mode == "bypass" else micro_batch["old_log_probs"]
-        kwargs = dict(correction=tis_function_correction(tis_function, tis_args, micro_batch, train))
+        kwargs = dict(correction=tis_function_correction(tis_function, tis_args, micro_batch, train, config=config))
+        # slime's contract: a TIS function's masks zero numerators only; the denominators stay the original masks'
+        config = replace(config, rejected_in_denominator=True)
     loss, metrics = compute_policy_loss(
         log_probs, micro_batch.get("old_log_probs"), micro_batch.get("rollout_log_probs"),
         micro_batch["advantages"], micro_batch["loss_mask"], micro_batch["cu_seqlens"], config,

@@ -61,7 +61,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import math
 import re
 import zlib
 from dataclasses import dataclass
@@ -99,12 +98,15 @@ class ParallelLayout:
     dp: int
     vpp: Optional[int]
     sequence_parallel: bool
+    pad_multiplier: int = 1  # slime's: each rank's packed stream is padded to a multiple of tp * pad_multiplier
 
     @property
     def name(self) -> str:
         parts = [f"{k}{v}" for k, v in (("tp", self.tp), ("pp", self.pp), ("vpp", self.vpp or 1),
                                          ("cp", self.cp), ("dp", self.dp)) if v > 1]
-        return "_".join(parts + (["sp"] if self.sequence_parallel else [])) or "single"
+        parts += (["sp"] if self.sequence_parallel else []) + ([f"pad{self.pad_multiplier}"]
+                                                                if self.pad_multiplier > 1 else [])
+        return "_".join(parts) or "single"
 
 
 _LAYOUT: Optional[ParallelLayout] = None
@@ -112,10 +114,12 @@ _LAYOUT: Optional[ParallelLayout] = None
 
 def initialize_parallel(tp: int = 1, pp: int = 1, cp: int = 1, vpp: Optional[int] = None,
                         sequence_parallel: bool = False, *, seed: int = 1234,
-                        timeout_minutes: int = 1) -> ParallelLayout:
+                        timeout_minutes: int = 1, pad_multiplier: int = 1) -> ParallelLayout:
     """``parallel_state.initialize_model_parallel`` + ``model_parallel_cuda_manual_seed(seed)`` (after
     :func:`apply_cpu_patches` when there is no GPU).  ``torch.distributed`` must be initialised; DP is
-    ``world / (tp * pp * cp)``.  Call :func:`destroy_parallel` before initialising another layout."""
+    ``world / (tp * pp * cp)``.  Call :func:`destroy_parallel` before initialising another layout.
+    ``pad_multiplier``: slime's ``get_batch(pad_multiplier=...)`` -- each rank's packed stream is padded at its end
+    to a multiple of ``tp * pad_multiplier`` (:func:`shard_micro_batch`); slime's default is 128, 1 pads least."""
     global _LAYOUT
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -125,6 +129,9 @@ def initialize_parallel(tp: int = 1, pp: int = 1, cp: int = 1, vpp: Optional[int
     if sequence_parallel and tp == 1:
         raise ValueError("sequence_parallel=True needs tp > 1 (sequence parallelism splits activations over the "
                          "tensor-parallel group); raise tp or drop sequence_parallel")
+    if not (isinstance(pad_multiplier, int) and pad_multiplier >= 1):
+        raise ValueError(f"pad_multiplier={pad_multiplier!r} must be an int >= 1 (slime's default is 128; 1 pads "
+                         f"each rank's stream only to a multiple of tp)")
     if vpp is not None and vpp > 1 and pp == 1:
         raise ValueError(f"vpp={vpp} (virtual pipeline) needs pp > 1; raise pp or drop vpp")
     vpp = vpp if vpp and vpp > 1 else None
@@ -136,7 +143,7 @@ def initialize_parallel(tp: int = 1, pp: int = 1, cp: int = 1, vpp: Optional[int
                                  distributed_timeout_minutes=timeout_minutes)
     model_parallel_cuda_manual_seed(seed)
     _LAYOUT = ParallelLayout(tp=tp, pp=pp, cp=cp, dp=ps.get_data_parallel_world_size(), vpp=vpp,
-                             sequence_parallel=sequence_parallel)
+                             sequence_parallel=sequence_parallel, pad_multiplier=pad_multiplier)
     return _LAYOUT
 
 
@@ -362,33 +369,40 @@ def full_parameters(model: List[torch.nn.Module]) -> Dict[str, torch.Tensor]:
 _RESERVED = ("tokens", "cu_seqlens")
 
 
-def _lcm(a: int, b: int) -> int:
-    return a * b // math.gcd(a, b)
+def stream_multiple(tp: int, pad_multiplier: int = 1) -> int:
+    """What each rank's packed stream is padded to a multiple of (:func:`slime_rc.cp_layout.stream_padding`), as
+    slime's ``get_batch`` does: ``tp * pad_multiplier`` (sequence parallelism splits the local tokens over TP)."""
+    return int(tp) * int(pad_multiplier)
 
 
-def shard_micro_batch(mb: dict, cp_size: int = 1, cp_rank: int = 0, *, seq_multiple: int = 1) -> dict:
-    """This CP rank's part of a packed micro-batch (format in the module docstring).
+def shard_micro_batch(mb: dict, cp_size: int = 1, cp_rank: int = 0, *, stream_multiple: int = 1) -> dict:
+    """This CP rank's part of a packed micro-batch (format in the module docstring), in slime's layout
+    (:mod:`slime_rc.cp_layout`, the one copy of megatron's zigzag).
 
-    Each sequence is padded at its end to a multiple of ``lcm(2 * cp_size, seq_multiple)`` (token 0, every
+    Each sequence of ``n`` tokens is padded at its end to ``zigzag_padded_length(n, cp_size)`` (token 0, every
     per-token field 0 -- so ``loss_mask`` 0); rank ``r`` keeps chunks ``r`` and ``2 * cp_size - 1 - r`` of every
-    padded sequence (megatron's zigzag).  Returns a dict with
+    padded sequence.  The rank's packed stream is then padded at its end by ``stream_padding`` tokens to a
+    multiple of ``stream_multiple`` (:func:`slime_rc.cp_layout.stream_padding`; :func:`train_step` passes
+    ``tp * pad_multiplier``, as slime does -- a multiple of ``tp`` is what sequence parallelism needs): one more
+    segment of the ``PackedSeqParams``, a model input only -- the loss never sees it.  Returns a dict with
 
-    * ``tokens``, ``position_ids`` (position inside the sequence), ``targets`` (the next token of the same padded
-      sequence, 0 at its last position) -- ``[T_local]`` int64;
+    * ``tokens``, ``position_ids`` (position inside the padded sequence), ``targets`` (the next token of the same
+      padded sequence, 0 at its last position) -- ``[T_local]`` int64, the sequences' tokens only;
     * every extra per-token field of ``mb``, sharded the same way ``[T_local, ...]``;
     * ``cu_seqlens`` ``[B+1]`` int64: boundaries of each sequence's positions on this rank (padded length / cp);
-    * ``packed_seq_params``: ``PackedSeqParams(qkv_format="thd")`` with the *global* padded ``cu_seqlens`` (int32)
-      as ``cu_seqlens_q/kv`` and ``..._padded``, ``max_seqlen_q/kv`` the longest padded sequence;
+    * ``stream_padding`` (int): tokens :func:`model_inputs` appends to ``tokens`` / ``position_ids`` for the model;
+    * ``packed_seq_params``: ``PackedSeqParams(qkv_format="thd")`` with the *global* ``cu_seqlens`` (int32, the
+      stream-padding segment last: :func:`slime_rc.cp_layout.packed_cu_seqlens`) as ``cu_seqlens_q/kv`` and
+      ``..._padded``, ``max_seqlen_q/kv`` the longest segment;
     * ``global_index`` ``[T_local]`` int64: index of each position in ``mb``'s packed order, -1 for padding;
     * ``cp_size``, ``cp_rank`` and the non-tensor entries of ``mb``.
-
-    ``seq_multiple``: extra per-sequence padding multiple; :func:`train_step` passes ``cp * tp`` under sequence
-    parallelism so that the local token count splits over TP.
     """
     from megatron.core.packed_seq_params import PackedSeqParams
 
+    from ..cp_layout import packed_cu_seqlens, packed_zigzag_positions, stream_padding
+
     if not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank={cp_rank} not in [0, {cp_size})")
+        raise ValueError(f"cp_rank={cp_rank} not in [0, cp_size={cp_size})")
     tokens = mb["tokens"]
     cu = mb["cu_seqlens"].to(torch.int64)
     total = tokens.shape[0]
@@ -398,42 +412,30 @@ def shard_micro_batch(mb: dict, cp_size: int = 1, cp_rank: int = 0, *, seq_multi
     for k, v in fields.items():
         if v.shape[:1] != (total,):
             raise ValueError(f"per-token field {k!r} has shape {tuple(v.shape)}, expected [{total}, ...]")
-    multiple = _lcm(2 * cp_size, seq_multiple)
     lengths = (cu[1:] - cu[:-1]).tolist()
-    padded = [-(-n // multiple) * multiple if n else 0 for n in lengths]
-
-    idx_parts, pos_parts, tgt_parts, local_lens = [], [], [], []
-    for i, (n, m) in enumerate(zip(lengths, padded)):
-        start = int(cu[i])
-        seq_index = torch.full((m,), -1, dtype=torch.int64)
-        seq_index[:n] = torch.arange(start, start + n)
-        seq_tokens = torch.zeros(m, dtype=torch.int64)
-        seq_tokens[:n] = tokens[start:start + n]
-        targets = torch.zeros(m, dtype=torch.int64)
-        targets[:m - 1] = seq_tokens[1:]
-        c = m // (2 * cp_size)
-        keep = torch.cat([torch.arange(cp_rank * c, (cp_rank + 1) * c),
-                          torch.arange((2 * cp_size - 1 - cp_rank) * c, (2 * cp_size - cp_rank) * c)])
-        idx_parts.append(seq_index[keep])
-        pos_parts.append(keep)
-        tgt_parts.append(targets[keep])
-        local_lens.append(keep.numel())
-    cat = (lambda parts, dtype: torch.cat(parts) if parts else torch.zeros(0, dtype=dtype))
-    gidx = cat(idx_parts, torch.int64)
-    valid = gidx >= 0
+    seq, pos = packed_zigzag_positions(lengths, cp_size, cp_rank)
+    n = torch.tensor(lengths, dtype=torch.int64)[seq] if lengths else torch.zeros(0, dtype=torch.int64)
+    start = cu[:-1][seq] if lengths else torch.zeros(0, dtype=torch.int64)
+    valid = pos < n
+    gidx = torch.where(valid, start + pos, torch.full_like(pos, -1))
     src = gidx.clamp(min=0)
+    has_target = pos + 1 < n
+    zeros = torch.zeros_like(src)
 
     out = {k: v for k, v in mb.items() if not isinstance(v, torch.Tensor)}
-    out["tokens"] = torch.where(valid, tokens[src] if total else torch.zeros_like(src), torch.zeros_like(src))
-    out["position_ids"] = cat(pos_parts, torch.int64)
-    out["targets"] = cat(tgt_parts, torch.int64)
+    out["tokens"] = torch.where(valid, tokens[src], zeros) if total else zeros
+    out["position_ids"] = pos
+    out["targets"] = torch.where(has_target, tokens[(src + 1).clamp(max=max(total - 1, 0))], zeros) if total else zeros
     for k, v in fields.items():
         picked = v[src] if total else v.new_zeros((0,) + tuple(v.shape[1:]))
         mask = valid.view(-1, *([1] * (v.dim() - 1)))
         out[k] = torch.where(mask, picked, torch.zeros_like(picked))
-    out["cu_seqlens"] = torch.tensor([0] + local_lens, dtype=torch.int64).cumsum(0)
-    cu_padded = torch.tensor([0] + padded, dtype=torch.int64).cumsum(0).to(torch.int32)
-    max_len = max(padded) if padded else 0
+    local_lens = torch.bincount(seq, minlength=len(lengths)) if lengths else torch.zeros(0, dtype=torch.int64)
+    out["cu_seqlens"] = torch.cat([torch.zeros(1, dtype=torch.int64), local_lens.cumsum(0)])
+    padding = stream_padding(pos.numel(), stream_multiple, cp_size)
+    out["stream_padding"] = padding
+    cu_global = packed_cu_seqlens(lengths, cp_size, padding)
+    max_len = int((cu_global[1:] - cu_global[:-1]).max()) if cu_global.numel() > 1 else 0
     cp_group = None
     try:
         from megatron.core import parallel_state as ps
@@ -443,11 +445,26 @@ def shard_micro_batch(mb: dict, cp_size: int = 1, cp_rank: int = 0, *, seq_multi
     except ImportError:
         pass
     out["packed_seq_params"] = PackedSeqParams(
-        qkv_format="thd", cu_seqlens_q=cu_padded, cu_seqlens_kv=cu_padded, cu_seqlens_q_padded=cu_padded,
-        cu_seqlens_kv_padded=cu_padded, max_seqlen_q=max_len, max_seqlen_kv=max_len, cp_group=cp_group)
+        qkv_format="thd", cu_seqlens_q=cu_global, cu_seqlens_kv=cu_global, cu_seqlens_q_padded=cu_global,
+        cu_seqlens_kv_padded=cu_global, max_seqlen_q=max_len, max_seqlen_kv=max_len, cp_group=cp_group)
     out["global_index"] = gidx
     out["cp_size"], out["cp_rank"] = cp_size, cp_rank
     return out
+
+
+def model_inputs(local_mb: dict):
+    """``(input_ids, position_ids)`` ``[T_local + stream_padding]`` for the model: the sharded micro-batch's
+    tokens and positions with the stream-padding segment appended (token 0; its own zigzag positions)."""
+    from ..cp_layout import zigzag_token_positions
+
+    tokens, positions = local_mb["tokens"], local_mb["position_ids"]
+    padding = int(local_mb.get("stream_padding", 0))
+    if padding:
+        cp_size, cp_rank = int(local_mb.get("cp_size", 1)), int(local_mb.get("cp_rank", 0))
+        tokens = torch.cat([tokens, tokens.new_zeros(padding)])
+        positions = torch.cat([positions, zigzag_token_positions(padding * cp_size, cp_size, cp_rank,
+                                                                 positions.device)])
+    return tokens, positions
 
 
 def gather_to_global(values: torch.Tensor, local_mb, group=None) -> torch.Tensor:
@@ -491,18 +508,26 @@ class StepResult:
 
 
 def shard_for_step(model: List[torch.nn.Module], micro_batches: Sequence[dict]) -> List[dict]:
-    """This rank's micro-batches exactly as :func:`train_step` shards them (CP zigzag, SP padding), each with
-    ``num_micro_batches``, ``dp_size`` and ``micro_batch_index`` -- for work before the step that needs the local
-    tokens (e.g. ``slime_rc.megatron.loss.prepare_global_batch``); pass them back as ``local_micro_batches``."""
-    from megatron.core import parallel_state as ps
+    """This rank's micro-batches exactly as :func:`train_step` shards them (CP zigzag, stream padding under SP),
+    each with ``num_micro_batches``, ``dp_size`` and ``micro_batch_index`` -- for work before the step that needs
+    the local tokens (e.g. ``slime_rc.megatron.loss.prepare_global_batch``); pass them back as
+    ``local_micro_batches``."""
     from megatron.core.utils import get_model_config
 
-    config = get_model_config(model[0])
+    get_model_config(model[0])  # a model of the current layout
+    return shard_for_layout(micro_batches)
+
+
+def shard_for_layout(micro_batches: Sequence[dict]) -> List[dict]:
+    """:func:`shard_for_step` from megatron's parallel state alone (no model): CP size and rank, TP size and the
+    ``pad_multiplier`` of :func:`initialize_parallel`."""
+    from megatron.core import parallel_state as ps
+
     cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
-    seq_multiple = cp * ps.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1
+    multiple = stream_multiple(ps.get_tensor_model_parallel_world_size(), current_layout().pad_multiplier)
     out = []
     for i, mb in enumerate(micro_batches):
-        lmb = shard_micro_batch(mb, cp, cp_rank, seq_multiple=seq_multiple)
+        lmb = shard_micro_batch(mb, cp, cp_rank, stream_multiple=multiple)
         lmb["num_micro_batches"], lmb["dp_size"] = len(micro_batches), ps.get_data_parallel_world_size()
         lmb["micro_batch_index"] = i
         out.append(lmb)
@@ -513,7 +538,8 @@ def train_step(model: List[torch.nn.Module], optimizer, micro_batches: Sequence[
                loss_fn: Callable[[torch.Tensor, dict], tuple], *, forward_only: bool = False,
                local_micro_batches: Optional[Sequence[dict]] = None) -> StepResult:
     """One optimizer step (or, ``forward_only``, a pass without backward/step; ``optimizer`` may then be None) over
-    this DP rank's packed micro-batches (full sequences; sharded here for CP with :func:`shard_micro_batch`) with
+    this DP rank's packed micro-batches (full sequences; sharded here with :func:`shard_micro_batch`: CP zigzag,
+    stream padding under SP) with
     megatron's ``get_forward_backward_func()`` (no-pipelining / 1F1B / interleaved, variable sequence lengths,
     ``micro_batch_size=1`` packed ``thd``, ``seq_length`` = the longest padded micro-batch).
 
@@ -545,7 +571,7 @@ def train_step(model: List[torch.nn.Module], optimizer, micro_batches: Sequence[
     records: List[tuple] = []
 
     def loss_wrapper(lmb, output_tensor):
-        logits = output_tensor.squeeze(0)
+        logits = output_tensor.squeeze(0)[:lmb["tokens"].numel()]  # the stream padding is no loss position
         result = loss_fn(logits, lmb)
         if per_token:
             if not (isinstance(result, tuple) and len(result) == 3):
@@ -562,7 +588,8 @@ def train_step(model: List[torch.nn.Module], optimizer, micro_batches: Sequence[
 
     def forward_step(data_iterator, model_chunk):
         lmb = next(data_iterator)
-        output = model_chunk(input_ids=lmb["tokens"].unsqueeze(0), position_ids=lmb["position_ids"].unsqueeze(0),
+        input_ids, position_ids = model_inputs(lmb)
+        output = model_chunk(input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0),
                              attention_mask=None, packed_seq_params=lmb["packed_seq_params"])
         return output, functools.partial(loss_wrapper, lmb)
 
@@ -571,7 +598,7 @@ def train_step(model: List[torch.nn.Module], optimizer, micro_batches: Sequence[
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
     data_iterator = [iter(local_mbs) for _ in model] if len(model) > 1 else iter(local_mbs)
-    seq_length = max(int(lmb["tokens"].numel()) for lmb in local_mbs) * cp
+    seq_length = max(int(lmb["tokens"].numel()) + int(lmb.get("stream_padding", 0)) for lmb in local_mbs) * cp
     forward_backward = get_forward_backward_func()
     with torch.no_grad() if forward_only else contextlib.nullcontext():
         outputs = forward_backward(forward_step_func=forward_step, data_iterator=data_iterator,

@@ -26,7 +26,10 @@ and logs the global-batch metrics of pi_old (the weights at the step's start) vs
 
 Per-step metrics (equal on every rank): ``step``, ``loss``, ``grad_norm``, ``reward_mean``, ``reward_std``,
 ``exact_fraction``, ``response_length``, ``rollout_corr/...`` (the mean over micro-batches of the correction
-metrics; global-batch values in decoupled mode), ``rollout_corr_decoupled/...`` (``decoupled_metrics``),
+metrics; global-batch values in decoupled mode), ``rollout_corr/tis_function/<name>`` (a
+``--custom-tis-function-path`` function's own metrics, reduced as slime reduces them: per-sample means over the
+original loss mask, summed over the step's micro-batches and DP x CP ranks, divided by the step's number of samples
+-- of tokens with ``--calculate-per-token-loss``), ``rollout_corr_decoupled/...`` (``decoupled_metrics``),
 ``time/rollout``, ``time/train``, ``time/step`` (seconds).
 """
 
@@ -111,14 +114,15 @@ def make_engine(s: TrainSettings, cfg):
 
 def pack_micro_batches(samples: List[dict], advantages: torch.Tensor, n_micro: int) -> List[dict]:
     """Samples -> ``n_micro`` packed micro-batches (contiguous blocks).  Position ``k`` of a sequence predicts token
-    ``k + 1``: the response token ``j`` (at ``P + j``) is predicted at ``P - 1 + j``."""
+    ``k + 1``: the response token ``j`` (at ``P + j``) is predicted at ``P - 1 + j``.  ``response_lengths`` (one per
+    sequence) is slime's ``response_lengths`` for a TIS function (``slime_rc.megatron.loss.with_sample_fields``)."""
     if len(samples) % n_micro:
         raise ValueError(f"{len(samples)} samples do not split into micro_batches={n_micro}")
     per = len(samples) // n_micro
     out = []
     for b in range(n_micro):
         block = range(b * per, (b + 1) * per)
-        toks, mask, rlp, adv, lengths = [], [], [], [], []
+        toks, mask, rlp, adv, lengths, responses = [], [], [], [], [], []
         for i in block:
             p, r = samples[i]["prompt"], samples[i]["response"]
             n = p.numel() + r.numel()
@@ -130,9 +134,10 @@ def pack_micro_batches(samples: List[dict], advantages: torch.Tensor, n_micro: i
             rlp.append(lp)
             adv.append(torch.full((n,), float(advantages[i])))
             lengths.append(n)
+            responses.append(int(r.numel()))
         out.append(dict(tokens=torch.cat(toks), cu_seqlens=cu_seqlens_from_lengths(lengths),
                         loss_mask=torch.cat(mask), rollout_log_probs=torch.cat(rlp), advantages=torch.cat(adv),
-                        sample_index=list(block)))
+                        sample_index=list(block), response_lengths=responses))
     return out
 
 
@@ -194,11 +199,17 @@ def run_training(settings: TrainSettings, config: RolloutCorrectionConfig,
                  on_step: Callable[[dict], None] = lambda m: None, *, tis_function: Optional[Callable] = None,
                  tis_args=None) -> List[dict]:
     """Train ``settings.num_steps`` steps in this (initialised) process group; returns the per-step metrics.
-    ``tis_function`` (``--custom-tis-function-path``, called with ``tis_args``): the weights and keep mask come from
-    it, in the loss (so decoupled mode then uses the in-loss path, not the pre-step one)."""
+    ``tis_function`` (``--custom-tis-function-path``, slime's contract): the weights and keep mask come from it, in
+    the loss (so decoupled mode then uses the in-loss path, not the pre-step one).  It is called with a copy of
+    ``tis_args`` carrying slime's attributes resolved from ``config``
+    (:func:`slime_rc.slime.attributes.with_slime_attributes`), and sees slime's ``total_lengths`` /
+    ``response_lengths`` (prompt + response, response) of every sample."""
+    from megatron.core import parallel_state as ps
+
     from ..megatron import model as M
     from ..megatron.logprobs import vocab_parallel_log_probs
-    from ..megatron.loss import make_loss_func, prepare_global_batch, with_sample_fields
+    from ..megatron.loss import (TIS_FUNCTION_METRICS, make_loss_func, prepare_global_batch,
+                                 reduce_tis_function_metrics, with_sample_fields)
 
     s = settings
     s.check(config)
@@ -261,11 +272,17 @@ def run_training(settings: TrainSettings, config: RolloutCorrectionConfig,
             loss_fn = make_loss_func(config, temperature=s.temperature, prepared=prepared,
                                      num_microbatches=len(mine), tis_function=tis_function, tis_args=tis_args)
             result = M.train_step(model, optimizer, mine, loss_fn, local_micro_batches=local_mbs)
-            per_mb = {}
+            per_mb, function_metrics = {}, {}
+            if tis_function is not None and ps.is_pipeline_last_stage(ignore_virtual=True):
+                # slime's reduction of the function's metrics: over micro-batches and DP x CP, per global sample
+                function_metrics = reduce_tis_function_metrics(result.outputs, result.local_micro_batches, config)
             if _is_reporter():
-                per_mb = {mb["sample_index"][0]: {k: float(v) for k, v in o.items() if k.startswith("rollout_corr/")}
+                per_mb = {mb["sample_index"][0]: {k: float(v) for k, v in o.items() if k.startswith("rollout_corr/")
+                                                  and not k.startswith(TIS_FUNCTION_METRICS)}
                           for mb, o in zip(mine, result.outputs)}
+                per_mb["function"] = function_metrics
             per_mb = _gather_from_reporters(per_mb)
+            function_metrics = per_mb.pop("function", {})
             t_train = time.perf_counter() - t1
 
             exact = sum(float(x) >= 1.5 for x in r) / len(samples)
@@ -278,6 +295,7 @@ def run_training(settings: TrainSettings, config: RolloutCorrectionConfig,
             for k in names:
                 vals = [m[k] for m in per_mb.values() if k in m]
                 metrics[k] = sum(vals) / len(vals)
+            metrics.update(function_metrics)
             metrics.update(global_metrics)
             metrics.update({"time/rollout": t_rollout, "time/train": t_train,
                             "time/step": time.perf_counter() - t0})
