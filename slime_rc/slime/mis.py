@@ -149,19 +149,17 @@ def slime_mis(settings: SlimeMisSettings, train: torch.Tensor, rollout: torch.Te
     mean_train = col["train"] / n_safe
     mean_rollout = col["rollout"] / n_safe
     diff = mean_rollout - mean_train
-    for name, v in (
-            ("training_log_ppl", -mean_train),
-            ("training_ppl", torch.exp((-mean_train).clamp(max=_PPL_EXP_MAX))),
-            ("rollout_log_ppl", -mean_rollout),
-            ("rollout_ppl", torch.exp((-mean_rollout).clamp(max=_PPL_EXP_MAX))),
-            ("kl", None), ("k3_kl", None),
-            ("log_ppl_diff", diff), ("log_ppl_abs_diff", diff.abs()),
-            ("ppl_ratio", torch.exp(diff.clamp(-SAFETY_BOUND, SAFETY_BOUND))),
-            ("chi2_token", col["rho2"] / n_safe - 1),
-            ("chi2_seq", torch.exp(2 * S.clamp(-SAFETY_BOUND, SAFETY_BOUND)) - 1)):
-        metrics[name] = per_tok(v.float()) if v is not None else None
+    metrics["training_log_ppl"] = per_tok((-mean_train).float())
+    metrics["training_ppl"] = per_tok(torch.exp((-mean_train).clamp(max=_PPL_EXP_MAX)).float())
+    metrics["rollout_log_ppl"] = per_tok((-mean_rollout).float())
+    metrics["rollout_ppl"] = per_tok(torch.exp((-mean_rollout).clamp(max=_PPL_EXP_MAX)).float())
     metrics["kl"] = -lr
     metrics["k3_kl"] = rho - lr - 1
+    metrics["log_ppl_diff"] = per_tok(diff.float())
+    metrics["log_ppl_abs_diff"] = per_tok(diff.abs().float())
+    metrics["ppl_ratio"] = per_tok(torch.exp(diff.clamp(-SAFETY_BOUND, SAFETY_BOUND)).float())
+    metrics["chi2_token"] = per_tok((col["rho2"] / n_safe - 1).float())
+    metrics["chi2_seq"] = per_tok((torch.exp(2 * S.clamp(-SAFETY_BOUND, SAFETY_BOUND)) - 1).float())
 
     if not s.corrects:  # metrics only: slime returns the loss masks unchanged and no weights
         return SlimeMisResult(None, m, torch.ones(n_seqs, dtype=torch.bool, device=dev), _masked(metrics, m))
