@@ -97,20 +97,9 @@ def _note_engine(reason: str) -> None:
 @functools.lru_cache(maxsize=16)
 def check_shared_yaml(path: Optional[str]) -> None:
     """slime copies ONE YAML onto ``args`` for every plugin: keys slime-rc does not know are someone else's and are
-    ignored, but a near-miss of one of ours (``tis_uper_bound``) is refused, naming the closest key."""
-    if not path or not os.path.isfile(str(path)):
-        return
-    import yaml
+    ignored, but what slime-rc's loader refuses in a slime YAML (a near-miss of one of our keys such as
+    ``tis_uper_bound``, a quoted number, ``1e-4``) is refused here too, before the first step uses it."""
+    if path and os.path.isfile(str(path)):
+        from slime_rc.yaml_config import load_yaml_layer
 
-    from slime_rc.settings import SPELLINGS, near_miss
-
-    with open(path) as f:
-        data = yaml.safe_load(f)
-    if not isinstance(data, dict):
-        return
-    ours = list(dict.fromkeys(list(MIS_KEYS) + list(SPELLINGS)))
-    for key in data:
-        close = near_miss(str(key), ours)
-        if close:
-            raise ValueError(f"--custom-config-path {path}: key {key!r} is not a slime-rc key; did you mean "
-                             f"{close!r}? (keys of other plugins are ignored; this one is one edit away from ours)")
+        load_yaml_layer(str(path), slime=True)

@@ -108,41 +108,47 @@ def _flag_of_attribute() -> Dict[str, str]:
     return {f[2:].replace("-", "_"): f for f in flags}
 
 
-def slime_args_rows(args: argparse.Namespace) -> Tuple[List[Tuple[str, str, str]], List[str], List[str]]:
-    """What slime's ``args`` hold after parsing ``args`` (a namespace of :func:`build_slime_parser`) and copying the
-    YAML onto it as slime does (``setattr`` of every ``yaml.safe_load`` key): ``(rows, ignored_yaml, notes)``, one
-    row ``(attribute, value, source)`` per rollout-correction attribute that is not None."""
+def _slime_yaml(args: argparse.Namespace) -> Dict[str, Any]:
+    """The ``--custom-config-path`` YAML as slime reads it (``yaml.safe_load``); {} without one."""
     import yaml
 
+    path = getattr(args, "custom_config_path", None)
+    if not path:
+        return {}
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    return data if isinstance(data, dict) else {}
+
+
+def slime_args_rows(args: argparse.Namespace, data: Dict[str, Any]) -> Tuple[List[Tuple[str, str, str]], List[str]]:
+    """What slime's ``args`` hold after parsing ``args`` (a namespace of :func:`build_slime_parser`) and copying the
+    YAML ``data`` onto it as slime does (``setattr`` of every key): ``(rows, notes)``, one row ``(attribute, value,
+    source)`` per rollout-correction attribute that is not None."""
     shared = getattr(args, "slime_rc_shared_flags", {}) or {}
+    attributes = _flag_of_attribute()
     rows: Dict[str, Tuple[Any, str]] = {}
-    for attr, flag in _flag_of_attribute().items():
+    for attr, flag in attributes.items():
         value = getattr(args, attr, None)
-        default = shared.get(attr, (attr, None))[1]
         if value is None:
             continue
-        if flag in SLIME_OWNED_FLAGS and value == default:
+        if flag in SLIME_OWNED_FLAGS and value == shared.get(attr, (attr, None))[1]:
             rows[attr] = (value, "slime's default")
-        elif value is not None:
+        else:
             rows[attr] = (value, "--no-" + flag[2:] if value is False else flag)
-    notes, ignored_yaml = [], []
+    notes = []
     path = getattr(args, "custom_config_path", None)
-    if path:
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
-        for key, value in (data.items() if isinstance(data, dict) else ()):
-            key = str(key)
-            if (key not in SPELLINGS and key not in rows and key not in _flag_of_attribute()) or \
-                    (key == "loss_type" and value in SLIME_LOSS_TYPES):  # slime's own --loss-type
-                ignored_yaml.append(key)
-                continue
-            source = f"{key} in {path}"
-            if key in rows and rows[key][1] != "slime's default" and rows[key][0] != value:
-                source += f" (over {rows[key][1]} {rows[key][0]!r})"
-                notes.append(f"{key}: {value!r} in {path} replaces {rows[key][1]} {rows[key][0]!r}: slime copies the "
-                             f"YAML onto args after parsing, so the YAML wins over the command line.")
-            rows[key] = (value, source)
-    return [(k, v, s) for k, (v, s) in rows.items()], ignored_yaml, notes
+    for key, value in data.items():
+        key = str(key)
+        if (key not in SPELLINGS and key not in rows and key not in attributes) or \
+                (key == "loss_type" and value in SLIME_LOSS_TYPES):  # not ours, or slime's own --loss-type
+            continue
+        source = f"{key} in {path}"
+        if key in rows and rows[key][1] != "slime's default" and rows[key][0] != value:
+            source += f" (over {rows[key][1]} {rows[key][0]!r})"
+            notes.append(f"{key}: {value!r} in {path} replaces {rows[key][1]} {rows[key][0]!r}: slime copies the "
+                         f"YAML onto args after parsing, so the YAML wins over the command line.")
+        rows[key] = (value, source)
+    return [(k, v, s) for k, (v, s) in rows.items()], notes
 
 
 def _dropped_no_flags(ignored: List[str]) -> List[str]:
@@ -169,17 +175,12 @@ def build_slime_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def copy_yaml_as_slime(args: argparse.Namespace) -> argparse.Namespace:
-    """A copy of ``args`` with every key of its ``--custom-config-path`` YAML set as an attribute, as slime's
-    ``slime_validate_args`` does (``yaml.safe_load``, then ``setattr`` for each key)."""
-    import yaml
-
+def copy_yaml_as_slime(args: argparse.Namespace, data: Dict[str, Any]) -> argparse.Namespace:
+    """A copy of ``args`` with every key of the YAML ``data`` set as an attribute, as slime's
+    ``slime_validate_args`` does (``setattr`` for each key)."""
     out = argparse.Namespace(**vars(args))
-    if getattr(args, "custom_config_path", None):
-        with open(args.custom_config_path) as f:
-            data = yaml.safe_load(f) or {}
-        for key, value in data.items():
-            setattr(out, key, value)
+    for key, value in data.items():
+        setattr(out, key, value)
     return out
 
 
@@ -190,9 +191,10 @@ def _slime_config_command(args: argparse.Namespace, ignored: List[str]) -> int:
     # our keys) is an error before anything is printed
     ignored_yaml = load_yaml_layer(args.custom_config_path, slime=True).ignored if args.custom_config_path else []
     ignored_yaml = [k for k in ignored_yaml if k not in _flag_of_attribute()]  # rollout_correction_preset: ours
-    rows, _, notes = slime_args_rows(args)
+    data = _slime_yaml(args)
+    rows, notes = slime_args_rows(args, data)
     notes += _dropped_no_flags(ignored)
-    view = copy_yaml_as_slime(args)  # what the adapters get: slime's args after the YAML is copied on
+    view = copy_yaml_as_slime(args, data)  # what the adapters get: slime's args after the YAML is copied on
     beyond = beyond_slime(view)
     if beyond is None:  # custom_tis.mis applies slime's example semantics: show those, not the engine's
         return _slime_semantics_report(args, rows, notes, ignored, ignored_yaml, view)

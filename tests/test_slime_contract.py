@@ -267,7 +267,7 @@ def test_shared_yaml_ignores_other_plugins_and_refuses_near_misses(tmp_path):
     _call(dict(use_tis=True, custom_config_path=str(ok)))
     bad = tmp_path / "typo.yaml"
     bad.write_text("use_tis: true\ntis_uper_bound: 3.0\n")
-    with pytest.raises(ValueError, match="'tis_uper_bound' is not a slime-rc key; did you mean 'tis_upper_bound'"):
+    with pytest.raises(ValueError, match="key 'tis_uper_bound'. Did you mean 'tis_upper_bound'"):
         _call(dict(use_tis=True, custom_config_path=str(bad)))
 
 
