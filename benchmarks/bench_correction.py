@@ -1,7 +1,7 @@
 """Speed of the rollout-correction engine, measured in one run on one thread.
 
 For each batch shape it prints: our packed engine's time, the per-sequence-loop reference's time
-(tests/reference.py: the way slime's mis.py loops over samples) and their ratio, the slime-compatible plugin
+(slime_rc/testing/reference.py: the way slime's mis.py loops over samples) and their ratio, the slime-compatible plugin
 (custom_tis.mis.compute_mis_weights, lists in/lists out) vs the same reference, a one-pass memory floor
 (``(a - b).sum()`` over the inputs) and our time in units of it, and metric memory / input bytes.
 
@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import slime_rc as rc  # noqa: E402
-from tests.reference import reference_correction  # noqa: E402
+from slime_rc.testing.reference import reference_correction  # noqa: E402
 
 CASES = [("16 samples, ~9k tokens", 16, 9_000), ("4 samples, ~10k tokens", 4, 10_000),
          ("128 samples, ~600k tokens", 128, 600_000)]

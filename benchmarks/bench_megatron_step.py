@@ -64,7 +64,7 @@ def main() -> None:
     store = os.path.join(tempfile.mkdtemp(prefix="slime_rc_bench_"), "store")
     dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
 
-    from slime_rc.megatron import model as M
+    from slime_rc.demo import model as M
     from slime_rc.megatron.logprobs import vocab_parallel_log_probs
     from slime_rc.megatron.loss import make_loss_func, prepare_global_batch
 

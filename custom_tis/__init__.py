@@ -6,9 +6,9 @@
 * ``custom_tis.icepop.compute_icepop_weights[_with_cp]``: token-level mask-mode IS (IcePop).
 """
 
-from .icepop import compute_icepop_weights, compute_icepop_weights_with_cp
-from .mis import compute_mis_weights, compute_mis_weights_with_cp
-from .tis import compute_tis_weights, compute_tis_weights_with_cp
+from custom_tis.icepop import compute_icepop_weights, compute_icepop_weights_with_cp
+from custom_tis.mis import compute_mis_weights, compute_mis_weights_with_cp
+from custom_tis.tis import compute_tis_weights, compute_tis_weights_with_cp
 
 __all__ = [
     "compute_mis_weights", "compute_mis_weights_with_cp",

@@ -4,7 +4,7 @@ slime calls ``fn(args, pg_loss=, train_log_probs=, rollout_log_probs=, loss_mask
 response_lengths=)`` once per micro-batch on every rank (``slime/backends/megatron_utils/loss.py``):
 
 * ``pg_loss`` ``[N]`` and the log-prob lists are this CP rank's tokens (megatron's zigzag layout,
-  :mod:`slime_rc.cp_layout`); ``loss_masks`` are FULL response length (``torch.int``);
+  :mod:`slime_rc.megatron.cp_layout`); ``loss_masks`` are FULL response length (``torch.int``);
 * it expects ``(pg_loss_out [N], masks at full response length, {name: [N] per-token metric})`` and cuts the
   masks into its rank's zigzag chunks itself.  Loss denominators stay the original masks' sums.
 
@@ -25,8 +25,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from slime_rc import LocalReducer, RolloutCorrectionConfig, compute_rollout_correction, cu_seqlens_from_lengths
-from slime_rc.correction import CorrectionResult
-from slime_rc.cp_layout import zigzag_response_indices
+from slime_rc.correction.engine import CorrectionResult
+from slime_rc.megatron.cp_layout import zigzag_response_indices
 
 TensorList = List[torch.Tensor]
 
@@ -54,7 +54,7 @@ def context_parallel() -> Tuple[int, int, LocalReducer]:
         from megatron.core import parallel_state as ps
 
         if ps.model_parallel_is_initialized():
-            from slime_rc.reducer import megatron_reducer
+            from slime_rc.correction.reducer import megatron_reducer
 
             return (ps.get_context_parallel_world_size(), ps.get_context_parallel_rank(),
                     megatron_reducer(data_parallel=False))

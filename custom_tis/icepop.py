@@ -18,7 +18,7 @@ import torch
 from slime_rc.slime.mis import SAFETY_BOUND, NonFiniteLogProbs
 from slime_rc.slime.settings import get
 
-from ._contract import engine_compute, launch_config, run_lists, run_with_cp
+from custom_tis._contract import engine_compute, launch_config, run_lists, run_with_cp
 
 
 def _bound(args, key: str, default: float) -> float:

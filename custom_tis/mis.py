@@ -27,7 +27,7 @@ from typing import Any, Optional
 from slime_rc.slime.mis import slime_mis
 from slime_rc.slime.settings import MIS_KEYS, beyond_slime, engine_keys, get, mis_settings
 
-from ._contract import engine_compute, launch_config, run_lists, run_with_cp
+from custom_tis._contract import engine_compute, launch_config, run_lists, run_with_cp
 
 
 def compute_mis_weights(args, *, train_log_probs, rollout_log_probs, loss_masks):
@@ -81,7 +81,7 @@ def _engine_config(args):
 @functools.lru_cache(maxsize=32)
 def _resolve_engine(preset, items):
     """slime-rc's config for a preset (lowest) and the keys on ``args``; cached: slime calls once per micro-batch."""
-    from slime_rc.settings import Layer, preset_layer, resolve
+    from slime_rc.config.layers import Layer, preset_layer, resolve
 
     layers = [preset_layer(preset)] if preset else []
     layers.append(Layer.from_mapping(dict(items), kind="yaml", where="slime's args"))
@@ -100,6 +100,6 @@ def check_shared_yaml(path: Optional[str]) -> None:
     ignored, but what slime-rc's loader refuses in a slime YAML (a near-miss of one of our keys such as
     ``tis_uper_bound``, a quoted number, ``1e-4``) is refused here too, before the first step uses it."""
     if path and os.path.isfile(str(path)):
-        from slime_rc.yaml_config import load_yaml_layer
+        from slime_rc.config.yaml_config import load_yaml_layer
 
         load_yaml_layer(str(path), slime=True)

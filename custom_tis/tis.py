@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._contract import engine_compute, launch_config, run_lists, run_with_cp
-from .icepop import ratio_compute
+from custom_tis._contract import engine_compute, launch_config, run_lists, run_with_cp
+from custom_tis.icepop import ratio_compute
 
 
 def _compute(args):

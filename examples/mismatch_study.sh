@@ -23,4 +23,4 @@ for name in "${!CONFIGS[@]}"; do
   done
 done | xargs -P "$JOBS" -I{} bash -c "{}"
 slime-rc plot "$OUT"/*/seed0 -o "$OUT/curves.png" || true
-python -m slime_rc.train.study "$OUT"
+python -m slime_rc.demo.train.study "$OUT"

@@ -1,6 +1,6 @@
 """``python -m slime_rc`` is the ``slime-rc`` command."""
 import sys
 
-from .cli import main
+from slime_rc.cli import main
 
 sys.exit(main())

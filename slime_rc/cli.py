@@ -1,9 +1,9 @@
 """The ``slime-rc`` command.
 
-``slime-rc train [flags...]`` runs the main job (:mod:`slime_rc.train.launch`); ``slime-rc plot RUN_DIR... -o
-FILE.png`` draws its curves (:mod:`slime_rc.train.plot`); ``slime-rc analyze DUMP`` reports the mismatch of a log-prob
-dump (:mod:`slime_rc.analyze`); ``slime-rc study estimators`` measures the estimators' bias and variance
-(:mod:`slime_rc.estimators`), ``slime-rc study summary DIR`` summarises a mismatch study (:mod:`slime_rc.train.study`).
+``slime-rc train [flags...]`` runs the main job (:mod:`slime_rc.demo.train.launch`); ``slime-rc plot RUN_DIR... -o
+FILE.png`` draws its curves (:mod:`slime_rc.demo.train.plot`); ``slime-rc analyze DUMP`` reports the mismatch of a log-prob
+dump (:mod:`slime_rc.tools.analyze`); ``slime-rc study estimators`` measures the estimators' bias and variance
+(:mod:`slime_rc.tools.estimators`), ``slime-rc study summary DIR`` summarises a mismatch study (:mod:`slime_rc.demo.train.study`).
 
 ``slime-rc config [launch flags...] [--json]`` prints the resolved rollout-correction configuration: the operating
 mode and every IS/RS setting with where it came from (flag / YAML / preset / default), with the precedence of
@@ -23,12 +23,12 @@ import json
 import sys
 from typing import Any, Dict, List, Optional, Tuple
 
-from .arguments import (FLAGS, OTHER_FLAGS, SLIME_OWNED_FLAGS, add_rollout_correction_arguments,
+from slime_rc.config.arguments import (FLAGS, OTHER_FLAGS, SLIME_OWNED_FLAGS, add_rollout_correction_arguments,
                         add_slime_owned_arguments, resolve_args)
-from .config import RolloutCorrectionConfig
-from .settings import SPELLINGS
-from .slime.settings import beyond_slime, explain
-from .yaml_config import SLIME_LOSS_TYPES
+from slime_rc.config.schema import RolloutCorrectionConfig
+from slime_rc.config.layers import SPELLINGS
+from slime_rc.slime.settings import beyond_slime, explain
+from slime_rc.config.yaml_config import SLIME_LOSS_TYPES
 
 MODE_TEXT = {
     ("standard", "ppo_clip"): "standard PPO: ratio pi_theta/pi_old, pi_old recomputed, no correction",
@@ -165,7 +165,7 @@ def _dropped_no_flags(ignored: List[str]) -> List[str]:
 
 def build_slime_parser() -> argparse.ArgumentParser:
     """A stand-in for slime's parser: our hook run as slime runs it (``slime=True``), then slime's own definitions
-    of the flags it shares with us (:data:`slime_rc.arguments.SLIME_OWNED_FLAGS`)."""
+    of the flags it shares with us (:data:`slime_rc.config.arguments.SLIME_OWNED_FLAGS`)."""
     parser = argparse.ArgumentParser(prog="slime-rc config --slime", allow_abbrev=False,
                                      description=__doc__.split("\n\n")[2])
     add_rollout_correction_arguments(parser, slime=True)
@@ -185,7 +185,7 @@ def copy_yaml_as_slime(args: argparse.Namespace, data: Dict[str, Any]) -> argpar
 
 
 def _slime_config_command(args: argparse.Namespace, ignored: List[str]) -> int:
-    from .yaml_config import load_yaml_layer
+    from slime_rc.config.yaml_config import load_yaml_layer
 
     # what slime would misread in the YAML (1e-4, quoted numbers, our loss_type under slime's key, near-misses of
     # our keys) is an error before anything is printed
@@ -282,19 +282,19 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["train"]:
-        from .train.launch import main as train_main
+        from slime_rc.demo.train.launch import main as train_main
         return train_main(argv[1:])
     if argv[:1] == ["plot"]:
-        from .train.plot import main as plot_main
+        from slime_rc.demo.train.plot import main as plot_main
         return plot_main(argv[1:])
     if argv[:1] == ["analyze"]:
-        from .analyze import main as analyze_main
+        from slime_rc.tools.analyze import main as analyze_main
         return analyze_main(argv[1:])
     if argv[:2] == ["study", "estimators"]:
-        from .estimators import main as estimators_main
+        from slime_rc.tools.estimators import main as estimators_main
         return estimators_main(argv[2:])
     if argv[:2] == ["study", "summary"]:
-        from .train.study import main as summary_main
+        from slime_rc.demo.train.study import main as summary_main
         return summary_main(argv[2:])
     if argv[:1] == ["study"]:
         print("slime-rc study: error: choose 'estimators' (bias/variance of the estimators) or 'summary DIR' (table "

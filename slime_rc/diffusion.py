@@ -16,7 +16,7 @@ adds no IS/RS arithmetic of its own: every weight, rejection and metric below is
   (``config.is_weights_applied`` is False) and only rejection reaches the gradient.
 * :func:`compute_diffusion_step_loss`: FlowGRPO's per-step policy loss on :func:`slime_rc.compute_policy_loss`.
 
-Metric names are the engine's (``slime_rc.metrics.METRICS``) under two prefixes that never overlap:
+Metric names are the engine's (``slime_rc.correction.metrics.METRICS``) under two prefixes that never overlap:
 ``rollout_corr/`` for the decoupled once-per-batch correction (pi_old vs pi_rollout) and ``actor/rollout_corr/``
 for bypass mode's per-step correction (pi_theta vs pi_rollout), so neither can overwrite the other in a logger.
 """
@@ -28,10 +28,10 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .config import RolloutCorrectionConfig
-from .correction import CorrectionResult, compute_rollout_correction
-from .losses import compute_policy_loss
-from .reducer import LocalReducer
+from slime_rc.config.schema import RolloutCorrectionConfig
+from slime_rc.correction.engine import CorrectionResult, compute_rollout_correction
+from slime_rc.losses import compute_policy_loss
+from slime_rc.correction.reducer import LocalReducer
 
 DECOUPLED_PREFIX = "rollout_corr/"
 STEP_PREFIX = "actor/rollout_corr/"
@@ -146,7 +146,7 @@ def compute_diffusion_rollout_correction(
         old_log_probs: ``(B, W)`` log pi_old of each sample's ``W`` SDE steps (the trainer's recompute).
         rollout_log_probs: ``(B, W)`` log pi_rollout of the same steps (the rollout backend's).
         config: ``mode`` ``decoupled`` (or ``standard``, metrics only); bypass mode corrects per step instead.
-        reducer: for data parallelism, each rank passing its own samples (``slime_rc.reducer``); metrics and batch
+        reducer: for data parallelism, each rank passing its own samples (``slime_rc.correction.reducer``); metrics and batch
             normalization are then over the reducer's global batch.  None for one process.
 
     With ``log r_ij = clamp(log pi_old_ij - log pi_rollout_ij, +-20)``: ``is_level='token'`` gives

@@ -29,10 +29,10 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .config import RolloutCorrectionConfig
-from .correction import CorrectionResult, compute_rollout_correction
-from .packed import broadcast_to_tokens, segment_sum
-from .reducer import LocalReducer, as_reducer
+from slime_rc.config.schema import RolloutCorrectionConfig
+from slime_rc.correction.engine import CorrectionResult, compute_rollout_correction
+from slime_rc.correction.packed import broadcast_to_tokens, segment_sum
+from slime_rc.correction.reducer import LocalReducer, as_reducer
 
 
 @dataclass(frozen=True)

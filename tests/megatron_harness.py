@@ -1,4 +1,4 @@
-"""Worker functions for ``tests/test_megatron_layouts.py``: a tiny real megatron-core GPT trained for a few steps
+"""Worker functions for ``tests/megatron/test_loss_layouts.py``: a tiny real megatron-core GPT trained for a few steps
 under one parallel layout after another, inside processes spawned by ``tests.dist_utils.run_distributed``.
 
 Everything here runs in the spawned children (they import megatron-core and apply the CPU patches); the pytest
@@ -9,7 +9,7 @@ The loss (defined here, not in the package): token-level REINFORCE,
     L = - sum_{loss tokens of the global batch} logp * advantage / (number of loss tokens of the global batch)
 
 with ``logp`` from ``vocab_parallel_log_probs(logits, targets, TEMPERATURE)``.  It is fed to megatron in both of
-``slime_rc.megatron.model``'s conventions:
+``slime_rc.demo.model``'s conventions:
 
 * ``"per_token"`` (``calculate_per_token_loss=True``): ``loss_fn`` returns ``(-sum(logp * adv * mask),
   mask.sum(), logs)``; megatron divides the gradients by the token count summed over micro-batches and DP x CP;
@@ -200,8 +200,7 @@ def _policy_step(M, model, optimizer, mbs: List[dict], convention: str, forward_
 def _run(name: str, kwargs: dict, convention: str, batch: List[dict], rank: int, overrides: dict) -> dict:
     from megatron.core import parallel_state as ps
 
-    from slime_rc.megatron import model as M
-
+    from slime_rc.demo import model as M
     t0 = time.perf_counter()
     layout = M.initialize_parallel(**kwargs, seed=1234)
     try:
@@ -286,7 +285,7 @@ def attention_checks(cp_size: int) -> Dict[str, float]:
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from slime_rc.megatron.cp_attention import ContextParallelDotProductAttention, zigzag_positions
+    from slime_rc.demo.cp_attention import ContextParallelDotProductAttention, zigzag_positions
 
     assert ps.get_context_parallel_world_size() == cp_size
     cp_rank = ps.get_context_parallel_rank()
@@ -354,15 +353,15 @@ def _position_batch(vocab: int = 128) -> List[dict]:
 
 def check_positions(local: dict, mb: dict, cp: int, cp_rank: int, tp: int, multiple: int) -> Dict[str, int]:
     """One sharded micro-batch against slime's layout, sequence by sequence: the positions this rank holds (slime's
-    ``slice_with_cp`` written out in ``tests/slime_like_tis.py``, and ``slime_rc.cp_layout``), the response log-prob
+    ``slice_with_cp`` written out in ``tests/slime_like_tis.py``, and ``slime_rc.megatron.cp_layout``), the response log-prob
     indices it holds for a prompt of ``1 + n // 3`` tokens (slime's ``slice_log_prob_with_cp`` and
     ``cp_layout.zigzag_response_indices``), the tokens / fields / targets it carries, the global ``cu_seqlens``
     (local ones times cp, the stream padding last) and the stream length (the least multiple of ``multiple`` --
     ``tp * pad_multiplier``, made even under CP -- so a multiple of tp, as sequence parallelism needs).
     Returns counts: ``pairs`` (sequence, rank) checked and ``mismatches``."""
-    from slime_rc.cp_layout import zigzag_response_indices, zigzag_token_positions
+    from slime_rc.megatron.cp_layout import zigzag_response_indices, zigzag_token_positions
 
-    from .slime_like_tis import slime_response_positions, slime_slice_with_cp
+    from tests.slime_like_tis import slime_response_positions, slime_slice_with_cp
 
     cu = mb["cu_seqlens"].tolist()
     lcu = local["cu_seqlens"].tolist()
@@ -402,7 +401,7 @@ def position_grid() -> Dict[tuple, Dict[str, int]]:
     """:func:`check_positions` of ``shard_micro_batch`` for cp in {2, 4} x tp in {1, 2, 4} x sequence parallel or not
     x pad_multiplier 1 / 3, every rank (the stream multiple train_step uses: ``stream_multiple(tp,
     pad_multiplier)``).  A pure function of its arguments: runs in one process."""
-    from slime_rc.megatron.model import shard_micro_batch, stream_multiple
+    from slime_rc.demo.model import shard_micro_batch, stream_multiple
 
     out = {}
     for cp in (2, 4):
@@ -425,8 +424,7 @@ def layout_positions() -> Dict[str, int]:
     megatron parallel state (its CP rank, TP size, pad_multiplier)."""
     from megatron.core import parallel_state as ps
 
-    from slime_rc.megatron import model as M
-
+    from slime_rc.demo import model as M
     mbs = _position_batch()
     counts = {"pairs": 0, "mismatches": 0}
     for mb, local in zip(mbs, M.shard_for_layout(mbs)):
@@ -440,8 +438,7 @@ def layout_positions() -> Dict[str, int]:
 def worker(rank: int, world_size: int, names: List[str]) -> dict:
     """Runs every named layout (``REFERENCE`` = the 1-process run of every convention and variant) in this
     spawn, plus the core-attention checks (``ATTENTION_CHECKS``)."""
-    from slime_rc.megatron import model as M
-
+    from slime_rc.demo import model as M
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     torch.set_num_threads(1)
     t0 = time.perf_counter()

@@ -12,7 +12,7 @@ values on the full sequences, and returns
 * metrics as CP-local per-token tensors (one flat tensor each), under keys of its own.
 
 The CP offsets are slime's ``cp_utils.get_logits_and_tokens_offset_with_cp``, written out here independently of
-``slime_rc.cp_layout`` (so a layout that drifts from slime's fails these tests).
+``slime_rc.megatron.cp_layout`` (so a layout that drifts from slime's fails these tests).
 
 Computation per sample (full sequence, loss mask ``m``): ``log r = train - rollout``; token-level truncated IS
 ``w = min(exp(clamp(log r, -20, 20)), tis_upper_bound) * m``; with ``use_rs`` token rejection outside

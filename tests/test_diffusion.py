@@ -20,11 +20,11 @@ from slime_rc.diffusion import (
     compute_diffusion_step_correction,
     compute_diffusion_step_loss,
 )
-from slime_rc.settings import resolve
-from slime_rc.yaml_config import load_yaml_layer
+from slime_rc.config.layers import resolve
+from slime_rc.config.yaml_config import load_yaml_layer
 
-from .checks import raises_mentioning
-from .dist_utils import run_distributed
+from tests.checks import raises_mentioning
+from tests.dist_utils import run_distributed
 
 C = RolloutCorrectionConfig
 RS = parse_rejection_criteria
@@ -460,7 +460,7 @@ def _dp_run(old, old_nan, rollout, adv, reducer, rows):
 def _dp_worker(rank, world_size, data):
     import torch.distributed as dist
 
-    from slime_rc.reducer import DistributedReducer
+    from slime_rc.correction.reducer import DistributedReducer
     reducer = DistributedReducer(batch_group=dist.group.WORLD)
     rows = slice(0, DP_SPLIT[0]) if rank == 0 else slice(DP_SPLIT[0], DP_SPLIT[1])
     return _dp_run(*data, reducer, rows)

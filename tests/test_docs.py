@@ -71,14 +71,14 @@ def test_every_preset_row_matches_the_code():
 
 
 def test_every_flag_is_documented_and_no_stale_flags():
-    from slime_rc.arguments import FLAGS, OTHER_FLAGS
+    from slime_rc.config.arguments import FLAGS, OTHER_FLAGS
     text = _read("usage.md")
     documented = set(re.findall(r"^\| `(--[a-z-]+)`", text, flags=re.M))
     assert documented == set(FLAGS) | set(OTHER_FLAGS), documented ^ (set(FLAGS) | set(OTHER_FLAGS))
 
 
 def test_every_yaml_key_is_documented():
-    from slime_rc.settings import SPELLINGS
+    from slime_rc.config.layers import SPELLINGS
     text = _read("usage.md") + _read("configuration.md")
     missing = [k for k in SPELLINGS if f"`{k}`" not in text]
     assert not missing, missing
@@ -91,6 +91,6 @@ def test_readme_names_no_missing_doc():
 
 
 def test_every_train_flag_is_documented():
-    from slime_rc.train.launch import _FLAGS
+    from slime_rc.demo.train.launch import _FLAGS
     documented = set(re.findall(r"^\| `(--[a-z-]+)`", _read("train.md"), flags=re.M))
     assert documented == set(_FLAGS) | {"--nproc", "--output-dir"}, documented ^ (set(_FLAGS) | {"--nproc", "--output-dir"})

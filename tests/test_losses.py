@@ -273,7 +273,7 @@ def _micro_batch(b, lo_seq, hi_seq, vocab=11, seed=0):
 
 def test_megatron_policy_loss_prestep_path_is_the_global_batch_loss():
     from slime_rc.megatron.loss import policy_loss, prepare_global_batch
-    from slime_rc.reducer import LocalReducer
+    from slime_rc.correction.reducer import LocalReducer
     cfg = RolloutCorrectionConfig(is_level="token", is_batch_normalize=True,
                                   rs=parse_rejection_criteria("token", 1.6), loss_agg="sample_mean")
     b = _batch(12)
@@ -302,7 +302,7 @@ def test_megatron_policy_loss_with_a_slime_tis_function_equals_the_builtin_engin
     from custom_tis.mis import compute_mis_weights_with_cp
     from slime_rc.megatron.loss import policy_loss, with_sample_fields
     from slime_rc.plugins import load_function
-    from slime_rc.reducer import LocalReducer
+    from slime_rc.correction.reducer import LocalReducer
     cfg = RolloutCorrectionConfig(is_level="sequence", rs=parse_rejection_criteria("token", 1.5), veto_threshold=0.5)
     b = _batch(13)
     cu = b["cu"]

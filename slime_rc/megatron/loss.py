@@ -26,11 +26,11 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..config import RolloutCorrectionConfig
-from ..correction import CorrectionResult, compute_rollout_correction
-from ..losses import LossNormalizer, compute_policy_loss, loss_normalizer
-from ..reducer import LocalReducer
-from .logprobs import vocab_parallel_log_probs
+from slime_rc.config.schema import RolloutCorrectionConfig
+from slime_rc.correction.engine import CorrectionResult, compute_rollout_correction
+from slime_rc.losses import LossNormalizer, compute_policy_loss, loss_normalizer
+from slime_rc.correction.reducer import LocalReducer
+from slime_rc.megatron.logprobs import vocab_parallel_log_probs
 
 # What a micro-batch (this rank's tokens) must hold, all [N] aligned with the target tokens.
 REQUIRED = ("targets", "loss_mask", "advantages", "cu_seqlens")
@@ -45,7 +45,7 @@ class PreparedMicroBatch:
 
 
 def _cp_reducer() -> LocalReducer:
-    from ..reducer import megatron_reducer
+    from slime_rc.correction.reducer import megatron_reducer
     return megatron_reducer(data_parallel=False)
 
 
@@ -59,7 +59,7 @@ def prepare_global_batch(micro_batches: Sequence[Dict[str, torch.Tensor]], confi
                          f"mode={config.mode!r}: in bypass mode the weights depend on pi_theta and are computed in the "
                          f"loss.")
     if reducer is None:
-        from ..reducer import megatron_reducer
+        from slime_rc.correction.reducer import megatron_reducer
         reducer = megatron_reducer()
     sizes = [int(mb["cu_seqlens"][-1]) for mb in micro_batches]
     seqs = [mb["cu_seqlens"].numel() - 1 for mb in micro_batches]
@@ -157,7 +157,7 @@ def tis_function_correction(tis_function: Callable, args, micro_batch: Dict[str,
 
     with ``pg_loss = 1`` on this rank's response tokens (so the ``pg_loss * weights`` it returns is the weights),
     the log-probs of this rank's response tokens per sample (CP-local, slime's zigzag positions:
-    :func:`slime_rc.cp_layout.zigzag_response_indices`), the *full-length* ``torch.int`` loss masks, and ``args``
+    :func:`slime_rc.megatron.cp_layout.zigzag_response_indices`), the *full-length* ``torch.int`` loss masks, and ``args``
     = :func:`slime_rc.slime.attributes.with_slime_attributes` ``(args, config)`` when ``config`` is given (a copy;
     the caller's ``args`` is not modified).
 
@@ -173,7 +173,7 @@ def tis_function_correction(tis_function: Callable, args, micro_batch: Dict[str,
 
     ``micro_batch``: this rank's tokens with ``position_ids``, ``cp_size`` / ``cp_rank`` and the fields of
     :func:`with_sample_fields`."""
-    from ..cp_layout import zigzag_response_indices
+    from slime_rc.megatron.cp_layout import zigzag_response_indices
 
     missing = [k for k in ("position_ids", "sample_lengths", "sample_loss_masks") if k not in micro_batch]
     if missing:
@@ -181,7 +181,7 @@ def tis_function_correction(tis_function: Callable, args, micro_batch: Dict[str,
                          f"slime_rc.megatron.loss.with_sample_fields on it before CP sharding")
     name = _function_name(tis_function)
     if config is not None:
-        from ..slime.attributes import with_slime_attributes
+        from slime_rc.slime.attributes import with_slime_attributes
         args = with_slime_attributes(args, config)
     per_token_loss = bool(getattr(args, "calculate_per_token_loss", False))
     cp_size, cp_rank = int(micro_batch.get("cp_size", 1)), int(micro_batch.get("cp_rank", 0))
@@ -203,7 +203,7 @@ def tis_function_correction(tis_function: Callable, args, micro_batch: Dict[str,
         if not torch.equal(j[keep].cpu(), want):
             raise RuntimeError(f"sample {i} (total {total}, response {resp}): this rank holds response positions "
                                f"{j[keep].tolist()}, slime's zigzag layout (cp {cp_size}, rank {cp_rank}) gives "
-                               f"{want.tolist()}; shard the micro-batch with slime_rc.megatron.model.shard_micro_batch")
+                               f"{want.tolist()}; shard the micro-batch with slime_rc.demo.model.shard_micro_batch")
         picks.append(rows[keep])
         held.append(want)
     idx = torch.cat(picks) if picks else torch.zeros(0, dtype=torch.int64)

@@ -5,10 +5,10 @@ A function written to slime's TIS contract (``--custom-tis-function-path``, e.g.
 ``args.rs_level``, ``args.use_tis`` ...  In slime they are slime's flags and the ``--custom-config-path`` YAML keys
 set onto ``args``.  When slime-rc runs such a function (``slime_rc.megatron.loss``, ``slime-rc train``) the
 function gets a *copy* of the caller's ``args`` (:func:`with_slime_attributes`) with these attributes set to the
-values slime-rc resolved (flags > YAML > preset > defaults, ``slime_rc.settings``), so that the function computes
+values slime-rc resolved (flags > YAML > preset > defaults, ``slime_rc.config.layers``), so that the function computes
 what the loss uses -- never the ``None`` of a flag that was not given.
 
-The mapping inverts :mod:`slime_rc.settings` (slime key -> config field):
+The mapping inverts :mod:`slime_rc.config.layers` (slime key -> config field):
 
 =========================  =============================================================================================
 slime attribute            value
@@ -25,7 +25,7 @@ use_rs                     ``bool(rs)``
 rs_level, rs_upper_bound,  one criterion: its option (the k1 aliases ``token_k1`` / ``seq_sum_k1`` / ``seq_mean_k1`` as
 rs_lower_bound             slime's ``token`` / ``sequence`` / ``geometric``), its upper and lower bound as numbers (lower
                            None for k2/k3).  Several criteria (slime's keys cannot express them; slime's example
-                           refuses them): the comma strings ``slime_rc.settings`` parses, ``rs_level="token,seq_max_k2"``,
+                           refuses them): the comma strings ``slime_rc.config.layers`` parses, ``rs_level="token,seq_max_k2"``,
                            ``rs_upper_bound="0.5_2.0,0.01"`` (``lower_upper`` bands), ``rs_lower_bound`` None.
                            No RS: all three None
 rs_veto_threshold          ``veto_threshold`` (slime's example applies the veto only with ``use_rs``)
@@ -47,7 +47,7 @@ import argparse
 import copy
 from typing import Any, Dict
 
-from ..config import RolloutCorrectionConfig
+from slime_rc.config.schema import RolloutCorrectionConfig
 
 # the k1 options slime's own level names stand for (same statistic, same aggregation)
 _SLIME_LEVEL = {"token_k1": "token", "seq_sum_k1": "sequence", "seq_mean_k1": "geometric"}

@@ -31,9 +31,9 @@ from typing import Dict, Optional
 
 import torch
 
-from ..packed import segment_max, segment_sum
-from ..reducer import LocalReducer, as_reducer
-from .settings import SlimeMisSettings
+from slime_rc.correction.packed import segment_max, segment_sum
+from slime_rc.correction.reducer import LocalReducer, as_reducer
+from slime_rc.slime.settings import SlimeMisSettings
 
 # slime's metric names (the CP form returns them with slime's ``mis_`` prefix), in slime's order; which appear
 # depends on the settings (docs/slime.md).

@@ -204,8 +204,8 @@ def explain(args: Any) -> Tuple[SlimeMisSettings, Tuple[Tuple[str, Any, str], ..
 def engine_keys(args) -> dict:
     """slime-rc's own engine settings ``args`` carries (its flags' attributes or YAML keys, see docs/usage.md):
     setting -> value.  slime's example has no such settings."""
-    from ..arguments import FLAGS
-    from ..settings import ENGINE_KEYS
+    from slime_rc.config.arguments import FLAGS
+    from slime_rc.config.layers import ENGINE_KEYS
 
     names = {key: key for key in ENGINE_KEYS}
     names.update({flag[2:].replace("-", "_"): key for flag, (key, _, _) in FLAGS.items() if key in ENGINE_KEYS})

@@ -1,0 +1,172 @@
+"""``slime-rc train``: parse the launch line, start the processes, run :func:`slime_rc.demo.train.loop.run_training`.
+
+Started under ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` set) every process joins that process group
+(NCCL when CUDA is present, else gloo): the same command scales to many nodes.  Otherwise it spawns ``--nproc``
+local processes.  Rank 0 prints one line per step and writes ``--output-dir``: ``config.json`` (the resolved
+rollout-correction config and the run settings), ``metrics.jsonl`` (one JSON object per step) and TensorBoard event
+files when tensorboard is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from dataclasses import fields
+from typing import List, Optional
+
+import torch
+
+from slime_rc.config.arguments import add_rollout_correction_arguments, resolve_args, tis_function_from_args
+from slime_rc.sglang_output import check_sampling_consistency
+from slime_rc.demo.train.loop import TrainSettings, run_training, settings_dict
+
+# flag -> TrainSettings field (Megatron's spelling for the parallel sizes)
+_FLAGS = {"--tensor-model-parallel-size": "tp", "--pipeline-model-parallel-size": "pp",
+          "--context-parallel-size": "cp", "--virtual-pipeline-model-parallel-size": "vpp",
+          "--sequence-parallel": "sequence_parallel", "--num-steps": "num_steps", "--seed": "seed", "--lr": "lr",
+          "--task": "task", "--digits": "digits", "--prompts-per-step": "prompts_per_step",
+          "--group-size": "group_size", "--micro-batches": "micro_batches", "--rollout-temperature": "temperature",
+          "--top-p": "top_p", "--rollout-dtype": "rollout_dtype", "--stale-steps": "stale_steps",
+          "--logit-noise": "logit_noise", "--hidden-size": "hidden_size", "--num-layers": "num_layers",
+          "--rollout-engine": "rollout_engine", "--sglang-url": "sglang_url",
+          "--decoupled-metrics": "decoupled_metrics", "--dump-logprobs": "dump_logprobs"}
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    defaults = TrainSettings()
+    types = {f.name: f.type for f in fields(TrainSettings)}
+    g = parser.add_argument_group("training (slime-rc train)")
+    for flag, name in _FLAGS.items():
+        default = getattr(defaults, name)
+        if name == "sequence_parallel":
+            g.add_argument(flag, dest=name, action="store_true")
+        elif name == "decoupled_metrics":
+            g.add_argument(flag, dest=name, action="store_true",
+                           help="bypass mode: a forward-only pass per step logs the global-batch metrics of pi_old "
+                                "vs pi_rollout as rollout_corr_decoupled/...")
+        elif name == "dump_logprobs":
+            g.add_argument(flag, dest=name, default=None, metavar="DIR",
+                           help="write each step's train/rollout log-probs to DIR/step_NNNNNN.jsonl "
+                                "(for slime-rc analyze)")
+        elif name == "vpp":
+            g.add_argument(flag, dest=name, type=int, default=None)
+        elif name == "sglang_url":
+            g.add_argument(flag, dest=name, default=None, help="SGLang server for --rollout-engine sglang")
+        elif name == "rollout_engine":
+            g.add_argument(flag, dest=name, choices=("torch", "sglang"), default=default)
+        else:
+            kind = {"int": int, "float": float, "str": str}[str(types[name])]
+            g.add_argument(flag, dest=name, type=kind, default=default, help=f"default {default}")
+    g.add_argument("--nproc", type=int, default=1, help="local processes to spawn (ignored under torchrun)")
+    g.add_argument("--output-dir", default=None, help="where metrics.jsonl, config.json and TensorBoard go")
+    add_rollout_correction_arguments(parser)
+    return parser
+
+
+def _settings(args) -> TrainSettings:
+    return TrainSettings(**{name: getattr(args, name) for name in _FLAGS.values()})
+
+
+def _line(m: dict, total: int) -> str:
+    def show(key, fmt):  # a metric the configuration does not compute shows as "-"
+        return format(m[key], fmt) if key in m else "-"
+    return (f"step {m['step'] + 1:>4}/{total}  reward {m['reward_mean']:.3f}  loss {m['loss']:+.4f}  "
+            f"grad {m['grad_norm']:.3f}  k3 {show('rollout_corr/k3_kl', '.2e')}  "
+            f"ess {show('rollout_corr/rollout_is_eff_sample_size', '.3f')}  "
+            f"rejected {m.get('rollout_corr/rollout_rs_masked_fraction', 0.0):.3f}  {m['time/step']:.2f}s")
+
+
+def _worker(rank: int, world: int, init_method: str, args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    if not torch.cuda.is_available():
+        torch.set_num_threads(1)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if init_method == "env://":
+        dist.init_process_group(backend)
+        rank = dist.get_rank()
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    else:
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
+    resolution = resolve_args(args)
+    settings = _settings(args)
+    out, writer = None, None
+    if rank == 0:
+        print(f"slime-rc train: {settings.task} on {settings.digits} digits, {dist.get_world_size()} process(es) "
+              f"(tp {settings.tp}, pp {settings.pp}, cp {settings.cp}), mode {resolution.config.mode} / "
+              f"{resolution.config.loss_type}", flush=True)
+        for note in resolution.notes:
+            print(f"note: {note}", flush=True)
+        for note in check_sampling_consistency({"temperature": settings.temperature, "top_p": settings.top_p},
+                                               settings.temperature, warn=False):
+            print(f"note: {note}", flush=True)
+        if args.output_dir:
+            os.makedirs(args.output_dir, exist_ok=True)
+            with open(os.path.join(args.output_dir, "config.json"), "w") as f:
+                json.dump({"rollout_correction": resolution.config.to_dict(), "sources": resolution.sources,
+                           "settings": settings_dict(settings)}, f, indent=2, default=str)
+            out = open(os.path.join(args.output_dir, "metrics.jsonl"), "w")
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                writer = SummaryWriter(args.output_dir)
+            except Exception:  # tensorboard is optional
+                writer = None
+
+    def on_step(m: dict) -> None:
+        if rank != 0:
+            return
+        print(_line(m, settings.num_steps), flush=True)
+        if out is not None:
+            out.write(json.dumps(m) + "\n")
+            out.flush()
+        if writer is not None:
+            for k, v in m.items():
+                if k != "step" and v is not None:
+                    writer.add_scalar(k, v, m["step"])
+
+    try:
+        args.rollout_correction_config = resolution.config  # what the custom_tis adapters read
+        history = run_training(settings, resolution.config, on_step, tis_function=tis_function_from_args(args),
+                               tis_args=args)
+        if rank == 0 and history:
+            first, last = history[0], history[-1]
+            print(f"done: mean reward {first['reward_mean']:.3f} -> {last['reward_mean']:.3f}, exact answers "
+                  f"{first['exact_fraction']:.0%} -> {last['exact_fraction']:.0%}"
+                  + (f"; metrics in {args.output_dir}/metrics.jsonl" if args.output_dir else ""), flush=True)
+    finally:
+        if out is not None:
+            out.close()
+        if writer is not None:
+            writer.close()
+        dist.destroy_process_group()
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = add_train_arguments(argparse.ArgumentParser(prog="slime-rc train", allow_abbrev=False))
+    args = parser.parse_args(argv)
+    try:
+        _settings(args).check(resolve_args(args).config)  # refuse a bad configuration before starting anything
+        if args.rollout_engine == "sglang" and not args.sglang_url:
+            raise ValueError("--rollout-engine sglang needs --sglang-url http://host:port")
+    except ValueError as e:
+        print(f"slime-rc train: error: {e}", file=sys.stderr)
+        return 2
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        _worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://", args)
+        return 0
+    need = args.tp * args.pp * args.cp
+    if args.nproc % need:
+        print(f"slime-rc train: error: --nproc {args.nproc} is not a multiple of tp*pp*cp = {need}; data "
+              f"parallel is nproc / (tp*pp*cp)", file=sys.stderr)
+        return 2
+    store = "file://" + os.path.join(tempfile.mkdtemp(prefix="slime_rc_train_"), "store")
+    if args.nproc == 1:
+        _worker(0, 1, store, args)
+    else:
+        import torch.multiprocessing as mp
+        mp.start_processes(_worker, args=(args.nproc, store, args), nprocs=args.nproc, start_method="spawn")
+    return 0

@@ -1,0 +1,310 @@
+"""The GRPO training loop of ``slime-rc train``: rollout -> reward -> (recompute pi_old) -> correction-aware group
+advantages -> one optimizer step with the rollout-correction loss, on a real megatron-core GPT under any layout.
+
+Runs in every rank of an initialised process group (:func:`run_training`).  Per step:
+
+1. weight sync: ``full_parameters(model)`` -> the rollout engine (``slime_rc.demo.rollout``; separate from the trainer,
+   with its own precision / staleness / noise knobs).  Every rank runs the same deterministic engine, so every rank
+   holds the same samples without a broadcast;
+2. ``prompts_per_step`` prompts x ``group_size`` samples, rewards from the task (``slime_rc.demo.train.task``);
+3. packed micro-batches (``micro_batches`` of the global batch, contiguous blocks per DP rank): each sample is one
+   sequence prompt + response; loss on the positions that predict response tokens, rollout log-probs there;
+4. standard / decoupled mode: a forward-only pass recomputes log pi_old of the global batch;
+5. advantages (``group_advantages``) over the samples the correction keeps, so a rejected sample never feeds its
+   group's baseline: in decoupled mode from the recomputed pi_old; in bypass mode with rejection (RS, veto, mask
+   mode) from a forward-only pass at the step's starting weights (= the pi_theta the loss sees; bypass without
+   rejection skips that pass);
+6. one step: decoupled mode with the pre-step global correction (``prepare_global_batch``), bypass mode with the
+   in-loss correction (``slime_rc.megatron.loss``).
+
+Metrics-only monitoring (``--get-mismatch-metrics`` without IS/RS/veto) changes neither the loss nor the gradients:
+the engine's keep mask is then every loss token and no weight is applied.  In bypass mode it adds no forward pass:
+the metrics come from the loss's own pi_theta.  ``decoupled_metrics`` (bypass only) asks for the forward-only pass
+and logs the global-batch metrics of pi_old (the weights at the step's start) vs pi_rollout as
+``rollout_corr_decoupled/...``.  ``dump_logprobs`` writes each step's per-sample train / rollout log-probs
+(``slime_rc.tools.dump``, JSONL) for ``slime-rc analyze``; in bypass mode it needs the same forward-only pass.
+
+Per-step metrics (equal on every rank): ``step``, ``loss``, ``grad_norm``, ``reward_mean``, ``reward_std``,
+``exact_fraction``, ``response_length``, ``rollout_corr/...`` (the mean over micro-batches of the correction
+metrics; global-batch values in decoupled mode), ``rollout_corr/tis_function/<name>`` (a
+``--custom-tis-function-path`` function's own metrics, reduced as slime reduces them: per-sample means over the
+original loss mask, summed over the step's micro-batches and DP x CP ranks, divided by the step's number of samples
+-- of tokens with ``--calculate-per-token-loss``), ``rollout_corr_decoupled/...`` (``decoupled_metrics``),
+``time/rollout``, ``time/train``, ``time/step`` (seconds).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from slime_rc.config.schema import RolloutCorrectionConfig
+from slime_rc.correction.engine import compute_rollout_correction
+from slime_rc.correction.packed import cu_seqlens_from_lengths
+from slime_rc.demo.train.advantages import group_advantages
+from slime_rc.demo.train.task import EOS, MIN_VOCAB, make_prompts, rewards
+
+
+@dataclass
+class TrainSettings:
+    """What ``slime-rc train`` runs (the embedded default: a tiny model learning to copy 3 digits, ~1 minute on
+    2 CPU cores; measured: mean reward 0.06 -> ~0.7 in 150 steps)."""
+
+    task: str = "copy"
+    digits: int = 3
+    prompts_per_step: int = 32
+    group_size: int = 8
+    num_steps: int = 150
+    seed: int = 0
+    lr: float = 3e-3
+    micro_batches: int = 4  # of the global batch
+    temperature: float = 1.0
+    top_p: float = 1.0
+    rollout_dtype: str = "bf16"  # the classic mismatch: bf16 rollouts, fp32 trainer
+    stale_steps: int = 0
+    logit_noise: float = 0.0
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    vpp: Optional[int] = None
+    sequence_parallel: bool = False
+    rollout_engine: str = "torch"  # or "sglang": a running server at sglang_url (it serves its own weights)
+    sglang_url: Optional[str] = None
+    decoupled_metrics: bool = False  # bypass mode: forward-only pass -> global pi_old vs pi_rollout metrics
+    dump_logprobs: Optional[str] = None  # directory for per-step log-prob dumps (slime_rc.tools.dump)
+    vocab_size: int = 16
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_attention_heads: int = 4
+
+    def check(self, config: RolloutCorrectionConfig) -> None:
+        """Refuse settings that would do nothing under ``config`` (said at launch, before any process starts)."""
+        if self.decoupled_metrics and config.mode != "bypass":
+            raise ValueError(f"--decoupled-metrics is for bypass mode (it recomputes pi_old to measure pi_old vs "
+                             f"pi_rollout); in mode={config.mode!r} pi_old is recomputed anyway and the rollout_corr/ "
+                             f"metrics already are pi_old vs pi_rollout: drop the flag, or add "
+                             f"--get-mismatch-metrics for them in standard mode")
+
+    def model_config(self):
+        from slime_rc.demo.model import TinyGPTConfig
+        if self.vocab_size < MIN_VOCAB:
+            raise ValueError(f"vocab_size={self.vocab_size} is below the task's {MIN_VOCAB} tokens")
+        return TinyGPTConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_layers=self.num_layers,
+                             num_attention_heads=self.num_attention_heads, ffn_hidden_size=4 * self.hidden_size,
+                             max_seq_len=4 * (self.digits + 2) + 8, seed=1234 + self.seed)
+
+
+def make_engine(s: TrainSettings, cfg):
+    """The rollout engine: the in-process one with its mismatch knobs, or an SGLang server's ``/generate``."""
+    if s.rollout_engine == "sglang":
+        from slime_rc.demo.rollout.sglang_client import SGLangEngine
+        if not s.sglang_url:
+            raise ValueError("--rollout-engine sglang needs --sglang-url http://host:port")
+        return SGLangEngine(s.sglang_url, temperature=s.temperature, top_p=s.top_p)
+    if s.rollout_engine != "torch":
+        raise ValueError(f"--rollout-engine {s.rollout_engine!r}: use torch (in-process) or sglang")
+    from slime_rc.demo.rollout.in_process import RolloutEngine
+    return RolloutEngine(cfg, dtype=s.rollout_dtype, stale_steps=s.stale_steps, logit_noise=s.logit_noise,
+                         noise_seed=s.seed + 1, temperature=s.temperature, top_p=s.top_p, seed=s.seed)
+
+
+def pack_micro_batches(samples: List[dict], advantages: torch.Tensor, n_micro: int) -> List[dict]:
+    """Samples -> ``n_micro`` packed micro-batches (contiguous blocks).  Position ``k`` of a sequence predicts token
+    ``k + 1``: the response token ``j`` (at ``P + j``) is predicted at ``P - 1 + j``.  ``response_lengths`` (one per
+    sequence) is slime's ``response_lengths`` for a TIS function (``slime_rc.megatron.loss.with_sample_fields``)."""
+    if len(samples) % n_micro:
+        raise ValueError(f"{len(samples)} samples do not split into micro_batches={n_micro}")
+    per = len(samples) // n_micro
+    out = []
+    for b in range(n_micro):
+        block = range(b * per, (b + 1) * per)
+        toks, mask, rlp, adv, lengths, responses = [], [], [], [], [], []
+        for i in block:
+            p, r = samples[i]["prompt"], samples[i]["response"]
+            n = p.numel() + r.numel()
+            m, lp = torch.zeros(n), torch.zeros(n)
+            m[p.numel() - 1:n - 1] = 1.0
+            lp[p.numel() - 1:n - 1] = samples[i]["rollout_log_probs"]
+            toks.append(torch.cat([p, r]))
+            mask.append(m)
+            rlp.append(lp)
+            adv.append(torch.full((n,), float(advantages[i])))
+            lengths.append(n)
+            responses.append(int(r.numel()))
+        out.append(dict(tokens=torch.cat(toks), cu_seqlens=cu_seqlens_from_lengths(lengths),
+                        loss_mask=torch.cat(mask), rollout_log_probs=torch.cat(rlp), advantages=torch.cat(adv),
+                        sample_index=list(block), response_lengths=responses))
+    return out
+
+
+def _gather_from_reporters(local: dict) -> dict:
+    """Merge per-rank dicts (non-empty only on the ranks that report) into one, on every rank."""
+    parts: List[Optional[dict]] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, local)
+    merged = {}
+    for p in parts:
+        merged.update(p or {})
+    return merged
+
+
+def _is_reporter() -> bool:
+    from megatron.core import parallel_state as ps
+    return (ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_context_parallel_rank() == 0)
+
+
+def self_log_probs(M, model, batch: List[dict], temperature: float, log_probs_fn) -> dict:
+    """A forward-only pass: the model's log-probs of every target of the global batch, ``{first sample index of a
+    micro-batch: [T] in its packed order}``, on every rank."""
+    from megatron.core import parallel_state as ps
+
+    def record(logits, lmb):
+        logp = log_probs_fn(logits, lmb["targets"], temperature)
+        return logp.sum() * 0.0, {"logp": logp.detach()}
+    mine = M.data_parallel_slice(batch)
+    fwd = M.train_step(model, None, mine, record, forward_only=True)
+    local = {}
+    if ps.is_pipeline_last_stage(ignore_virtual=True):
+        for mb, o, lmb in zip(mine, fwd.outputs, fwd.local_micro_batches):
+            full = M.gather_to_global(o["logp"], lmb)
+            if _is_reporter():
+                local[mb["sample_index"][0]] = full
+    return _gather_from_reporters(local)
+
+
+def dump_step(directory: str, step: int, batch: List[dict], train_log_probs: dict, rewards: torch.Tensor,
+              advantages: torch.Tensor, mode: str) -> str:
+    """Write one step's samples (their response tokens only) with :class:`slime_rc.tools.dump.DumpWriter`:
+    ``train_log_probs`` = pi_old (standard / decoupled) or pi_theta at the step's start (bypass), from
+    :func:`self_log_probs`."""
+    from slime_rc.tools.dump import DumpWriter, sample_record
+    records = []
+    for mb in batch:
+        cu = mb["cu_seqlens"].tolist()
+        train = train_log_probs[mb["sample_index"][0]]
+        for j, i in enumerate(mb["sample_index"]):
+            span = slice(cu[j], cu[j + 1])
+            keep = mb["loss_mask"][span] > 0  # the response tokens: positions that predict them
+            records.append(sample_record(train[span][keep], mb["rollout_log_probs"][span][keep],
+                                         mb["loss_mask"][span][keep], step=step, sample=i, reward=float(rewards[i]),
+                                         advantage=float(advantages[i]), mode=mode))
+    return DumpWriter(directory).write_step(step, records)
+
+
+def run_training(settings: TrainSettings, config: RolloutCorrectionConfig,
+                 on_step: Callable[[dict], None] = lambda m: None, *, tis_function: Optional[Callable] = None,
+                 tis_args=None) -> List[dict]:
+    """Train ``settings.num_steps`` steps in this (initialised) process group; returns the per-step metrics.
+    ``tis_function`` (``--custom-tis-function-path``, slime's contract): the weights and keep mask come from it, in
+    the loss (so decoupled mode then uses the in-loss path, not the pre-step one).  It is called with a copy of
+    ``tis_args`` carrying slime's attributes resolved from ``config``
+    (:func:`slime_rc.slime.attributes.with_slime_attributes`), and sees slime's ``total_lengths`` /
+    ``response_lengths`` (prompt + response, response) of every sample."""
+    from megatron.core import parallel_state as ps
+
+    from slime_rc.demo import model as M
+    from slime_rc.megatron.logprobs import vocab_parallel_log_probs
+    from slime_rc.megatron.loss import (TIS_FUNCTION_METRICS, make_loss_func, prepare_global_batch,
+                                 reduce_tis_function_metrics, with_sample_fields)
+
+    s = settings
+    s.check(config)
+    M.initialize_parallel(s.tp, s.pp, s.cp, s.vpp, s.sequence_parallel, seed=1234 + s.seed)
+    try:
+        cfg = s.model_config()
+        model = M.build_model(cfg, calculate_per_token_loss=False)
+        optimizer = M.build_optimizer(model, lr=s.lr)
+        engine = make_engine(s, cfg)
+        prompt_gen = torch.Generator().manual_seed(s.seed)
+        history = []
+        for step in range(s.num_steps):
+            t0 = time.perf_counter()
+            state = M.full_parameters(model)  # collective: every rank
+            if hasattr(engine, "load_weights"):  # an SGLang server's weights are updated by the user's own path
+                engine.load_weights(state)
+            prompts = [p for p in make_prompts(s.task, s.prompts_per_step, s.digits, prompt_gen)
+                       for _ in range(s.group_size)]
+            samples = engine.generate(prompts, max_new_tokens=s.digits + 1, stop_token=EOS)
+            r = rewards(s.task, prompts, [x["response"] for x in samples])
+            t_rollout = time.perf_counter() - t0
+
+            batch = pack_micro_batches(samples, torch.zeros(len(samples)), s.micro_batches)
+            kept = torch.ones(len(samples), dtype=torch.bool)
+            # log-probs of the current weights: pi_old (standard / decoupled), or, in bypass mode with rejection,
+            # pi_theta at the start of the step -- what the loss will see -- to know the rejected samples before the
+            # baselines (that forward pass is the price of correct baselines; bypass without rejection skips it)
+            bypass = config.mode == "bypass"
+            current = None
+            if not bypass or config.rejects or s.decoupled_metrics or s.dump_logprobs:
+                current = self_log_probs(M, model, batch, s.temperature, vocab_parallel_log_probs)
+                if not bypass:
+                    for mb in batch:
+                        mb["old_log_probs"] = current[mb["sample_index"][0]]
+            global_metrics = {}
+            if config.rejects or s.decoupled_metrics:  # the correction of the global batch, on every rank
+                cat = (lambda k: torch.cat([mb[k] for mb in batch]))
+                lengths = [int(n) for mb in batch for n in (mb["cu_seqlens"][1:] - mb["cu_seqlens"][:-1])]
+                train = torch.cat([current[mb["sample_index"][0]] for mb in batch])
+                corr = compute_rollout_correction(train, cat("rollout_log_probs"), cat("loss_mask"),
+                                                  cu_seqlens_from_lengths(lengths), config)
+                if config.rejects:  # which samples the correction keeps, for the group baselines
+                    kept = corr.sequences["kept"] > 0
+                if s.decoupled_metrics:
+                    global_metrics = {k: float(v) for k, v in corr.prefixed("rollout_corr_decoupled/").items()}
+            adv = group_advantages(r, s.group_size, kept)
+            for mb in batch:
+                cu = mb["cu_seqlens"]
+                mb["advantages"] = torch.repeat_interleave(adv[mb["sample_index"]], cu[1:] - cu[:-1])
+            if s.dump_logprobs and dist.get_rank() == 0:
+                dump_step(s.dump_logprobs, step, batch, current, r, adv, config.mode)
+
+            t1 = time.perf_counter()
+            mine = M.data_parallel_slice(batch)
+            if tis_function is not None:
+                mine = [with_sample_fields(mb) for mb in mine]
+            local_mbs = M.shard_for_step(model, mine)
+            prestep = config.mode == "decoupled" and tis_function is None
+            prepared = prepare_global_batch(local_mbs, config) if prestep else None
+            loss_fn = make_loss_func(config, temperature=s.temperature, prepared=prepared,
+                                     num_microbatches=len(mine), tis_function=tis_function, tis_args=tis_args)
+            result = M.train_step(model, optimizer, mine, loss_fn, local_micro_batches=local_mbs)
+            per_mb, function_metrics = {}, {}
+            if tis_function is not None and ps.is_pipeline_last_stage(ignore_virtual=True):
+                # slime's reduction of the function's metrics: over micro-batches and DP x CP, per global sample
+                function_metrics = reduce_tis_function_metrics(result.outputs, result.local_micro_batches, config)
+            if _is_reporter():
+                per_mb = {mb["sample_index"][0]: {k: float(v) for k, v in o.items() if k.startswith("rollout_corr/")
+                                                  and not k.startswith(TIS_FUNCTION_METRICS)}
+                          for mb, o in zip(mine, result.outputs)}
+                per_mb["function"] = function_metrics
+            per_mb = _gather_from_reporters(per_mb)
+            function_metrics = per_mb.pop("function", {})
+            t_train = time.perf_counter() - t1
+
+            exact = sum(float(x) >= 1.5 for x in r) / len(samples)
+            metrics = {"step": step, "loss": result.loss, "grad_norm": result.grad_norm,
+                       "reward_mean": float(r.mean()), "reward_std": float(r.std(unbiased=False)),
+                       "exact_fraction": exact,
+                       "response_length": sum(x["response"].numel() for x in samples) / len(samples),
+                       "kept_fraction": float(kept.float().mean())}
+            names = sorted({k for m in per_mb.values() for k in m})
+            for k in names:
+                vals = [m[k] for m in per_mb.values() if k in m]
+                metrics[k] = sum(vals) / len(vals)
+            metrics.update(function_metrics)
+            metrics.update(global_metrics)
+            metrics.update({"time/rollout": t_rollout, "time/train": t_train,
+                            "time/step": time.perf_counter() - t0})
+            history.append(metrics)
+            on_step(metrics)
+        return history
+    finally:
+        M.destroy_parallel()
+
+
+def settings_dict(settings: TrainSettings) -> dict:
+    return asdict(settings)

@@ -1,0 +1,123 @@
+"""Megatron's zigzag context-parallel layout, as slime lays out sequences and response log-probs -- the one copy.
+
+Everything in slime-rc that needs to know which positions a CP rank holds asks this module: the slime adapters
+(``custom_tis``), the Megatron loss and the TIS-function bridge (``slime_rc.megatron.loss``), the CP core attention
+(``slime_rc.demo.cp_attention.zigzag_positions``), the micro-batch sharding
+(``slime_rc.demo.model.shard_micro_batch``) and the trainer (``slime_rc.demo.train``).
+
+The layout (slime's ``get_batch`` / ``cp_utils.slice_with_cp`` / ``get_logits_and_tokens_offset_with_cp``):
+
+* a sequence of ``total_length`` positions is padded at its end to ``2 * cp_size * chunk`` positions, with
+  ``chunk = ceil(total_length / (2 * cp_size))``; CP rank ``r`` holds chunks ``r`` and ``2 * cp_size - 1 - r``
+  (this balances causal attention work), in that order.  Without CP (``cp_size == 1``) the sequence is not padded;
+* a packed micro-batch concatenates each sequence's two chunks on every rank; the local stream may then be padded
+  at its end (:func:`stream_padding`: slime pads to a multiple of ``tp * pad_multiplier``, which sequence
+  parallelism needs) -- an extra padding segment appended to ``cu_seqlens``.  The *global* ``cu_seqlens`` of the
+  packed stream are the local ones times ``cp_size`` (:func:`packed_cu_seqlens`);
+* response log-prob ``j`` (0-based) is predicted by the logits at position ``prompt_length - 1 + j``, where
+  ``prompt_length = total_length - response_length``; a rank holds the response log-probs whose position lies in
+  its chunks, in increasing order of ``j`` (:func:`zigzag_response_indices`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence, Tuple
+
+import torch
+
+
+def _check_rank(cp_size: int, cp_rank: int) -> None:
+    if not (isinstance(cp_size, int) and cp_size >= 1):
+        raise ValueError(f"cp_size={cp_size!r} must be an int >= 1 (the context-parallel world size)")
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank={cp_rank} must lie in [0, cp_size={cp_size})")
+
+
+def zigzag_chunk_size(total_length: int, cp_size: int) -> int:
+    """``ceil(total_length / (2 * cp_size))``: the positions of one of a sequence's ``2 * cp_size`` chunks."""
+    if total_length < 0:
+        raise ValueError(f"total_length={total_length} must be >= 0")
+    return -(-int(total_length) // (2 * cp_size))
+
+
+def zigzag_padded_length(total_length: int, cp_size: int) -> int:
+    """The sequence's length after slime's per-sequence CP padding (``total_length`` itself without CP)."""
+    if cp_size == 1:
+        return int(total_length)
+    return 2 * cp_size * zigzag_chunk_size(total_length, cp_size)
+
+
+def zigzag_token_positions(total_length: int, cp_size: int, cp_rank: int, device=None) -> torch.Tensor:
+    """Positions (int64, increasing, in the rank's local order) of the padded sequence that ``cp_rank`` holds:
+    chunk ``cp_rank`` then chunk ``2 * cp_size - 1 - cp_rank``.  Positions ``>= total_length`` are padding.
+    ``2 * chunk`` entries under CP, ``total_length`` without."""
+    _check_rank(cp_size, cp_rank)
+    if cp_size == 1:
+        return torch.arange(int(total_length), dtype=torch.int64, device=device)
+    c = zigzag_chunk_size(total_length, cp_size)
+    second = 2 * cp_size - 1 - cp_rank
+    return torch.cat([torch.arange(cp_rank * c, (cp_rank + 1) * c, dtype=torch.int64, device=device),
+                      torch.arange(second * c, (second + 1) * c, dtype=torch.int64, device=device)])
+
+
+def packed_zigzag_positions(lengths: Sequence[int], cp_size: int, cp_rank: int,
+                            device=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """For a packed micro-batch of sequences of ``lengths`` (unpadded): the sequence id and the position inside its
+    (padded) sequence of every token ``cp_rank`` holds, in the local packed order.  Both int64 ``[T_local]``."""
+    _check_rank(cp_size, cp_rank)
+    seq_ids, positions = [], []
+    for i, n in enumerate(int(x) for x in lengths):
+        pos = zigzag_token_positions(n, cp_size, cp_rank, device)
+        positions.append(pos)
+        seq_ids.append(torch.full((pos.numel(),), i, dtype=torch.int64, device=device))
+    if not positions:
+        empty = torch.zeros(0, dtype=torch.int64, device=device)
+        return empty, empty.clone()
+    return torch.cat(seq_ids), torch.cat(positions)
+
+
+def stream_padding(local_length: int, multiple: int, cp_size: int = 1) -> int:
+    """Tokens to append to a rank's packed stream of ``local_length`` tokens so that it is a multiple of
+    ``multiple`` (slime: ``tp * pad_multiplier``; sequence parallelism needs a multiple of ``tp``).
+
+    Under CP the padding segment is itself laid out in zigzag (its global length is ``padding * cp_size``, which
+    megatron's RoPE and TE split into ``2 * cp_size`` chunks), so the padding is kept even: the multiple used is
+    ``lcm(multiple, 2)``.  (slime's ``pad_multiplier`` of 128 is even, so this is slime's padding.)"""
+    if not (isinstance(multiple, int) and multiple >= 1):
+        raise ValueError(f"multiple={multiple!r} must be an int >= 1 (e.g. the tensor-parallel size under "
+                         f"sequence parallelism, 1 for no stream padding)")
+    if cp_size > 1:
+        multiple = multiple * 2 // math.gcd(multiple, 2)
+    return (-int(local_length)) % multiple
+
+
+def packed_cu_seqlens(lengths: Sequence[int], cp_size: int, padding: int = 0) -> torch.Tensor:
+    """The *global* ``cu_seqlens`` (int32) of a packed CP micro-batch: each sequence's padded length
+    (:func:`zigzag_padded_length`), plus a last segment of ``padding * cp_size`` for the stream padding of every
+    rank (slime: local ``cu_seqlens`` times ``cp_size``)."""
+    padded = [zigzag_padded_length(int(n), cp_size) for n in lengths]
+    if padding:
+        padded.append(int(padding) * cp_size)
+    return torch.tensor([0] + padded, dtype=torch.int64).cumsum(0).to(torch.int32)
+
+
+def zigzag_response_indices(total_length: int, response_length: int, cp_size: int, cp_rank: int,
+                            device=None) -> torch.Tensor:
+    """Indices ``j`` (int64, increasing) of the response log-probs held by ``cp_rank``."""
+    if not 0 <= response_length <= total_length:
+        raise ValueError(f"response_length={response_length} must lie in [0, total_length={total_length}]")
+    _check_rank(cp_size, cp_rank)
+    if cp_size == 1:
+        return torch.arange(response_length, dtype=torch.int64, device=device)
+    # response log-prob j sits at position prompt_length - 1 + j
+    j = zigzag_token_positions(total_length, cp_size, cp_rank, device) - (total_length - response_length - 1)
+    return j[(j >= 0) & (j < response_length)]
+
+
+def zigzag_slice(values: torch.Tensor, total_length: int, response_length: int, cp_size: int,
+                 cp_rank: int) -> torch.Tensor:
+    """This rank's part of a full per-response-token tensor ``[response_length]``."""
+    if values.shape[0] != response_length:
+        raise ValueError(f"expected {response_length} response values, got {values.shape[0]}")
+    return values[zigzag_response_indices(total_length, response_length, cp_size, cp_rank, values.device)]

@@ -1,9 +1,0 @@
-"""The rollout side of the RL trainer, separate from it as in production: an in-process pure-torch engine with
-controllable train/rollout mismatch (:mod:`.engine`) and a client for a real SGLang server (:mod:`.sglang`), both
-with ``generate(prompts, max_new_tokens, stop_token=None) -> [{prompt, response, rollout_log_probs, ...}]``."""
-
-from .engine import DTYPES, RolloutEngine, TorchGPT, sampling_mask
-from .sglang import SGLangEngine, response_tokens_from_meta_info, rollout_log_probs_from_meta_info
-
-__all__ = ["TorchGPT", "RolloutEngine", "DTYPES", "sampling_mask", "SGLangEngine",
-           "rollout_log_probs_from_meta_info", "response_tokens_from_meta_info"]

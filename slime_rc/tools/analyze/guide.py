@@ -1,0 +1,240 @@
+"""The recommendation: rollout_corr_math.md §5.3 (method by scenario) as explicit rules on measured numbers.
+
+Three questions, each answered by a named threshold (documented in docs/analyze.md):
+
+1. *Severity* of the per-token mismatch, from ``k3_kl`` (token mean of ``r - 1 - log r``, >= 0; ``kl`` is a signed
+   one-sample estimator and can hide a real gap) and ``chi2_token`` (heavy tails):
+   negligible (``k3_kl < NEGLIGIBLE_K3`` and ``chi2_seq < NEGLIGIBLE_CHI2_SEQ``), severe (``k3_kl >= SEVERE_K3`` or
+   ``chi2_token >= SEVERE_CHI2_TOKEN``), moderate otherwise.
+2. *Length*: a sample's sequence weight is ``exp(S)`` with ``S = sum_t log r``; ``S`` drifts like ``-T * kl`` and
+   spreads like ``sqrt(2 * T * k3)`` (delta method: ``Var(log r) ~ 2 k3``), so the raw sequence weights keep an
+   effective sample size of about ``exp(-2 * T * k3)``: they collapse beyond ``T* = 1 / (2 * k3)`` tokens, and once
+   ``|S|`` reaches the ±20 clamp they saturate altogether (the Length Trap).  Long: the mean sample length is
+   ``>= LONG_SEQ_TOKENS`` (CoT / agents), or, under moderate mismatch, ``2 * T * k3 >= LENGTH_TRAP_SPREAD`` or
+   samples hit the clamp (the collapse comes from length, not from per-token severity).  Among long samples the
+   measured ``chi2_seq >= SEQ_COLLAPSE_CHI2`` (or the clamp) says the sequence weights have already collapsed.
+3. *Catastrophic tokens*: any token with ratio ``< CATASTROPHIC_RATIO`` -> veto.  Severity is then judged on
+   ``k3_kl_excluding_catastrophic``: a token with ``r = 1e-5`` adds ``~10.5 / N`` to ``k3_kl`` on its own, and the
+   veto drops it anyway.
+
+Choice: negligible -> ``bypass_ppo_clip``; moderate short -> Seq-TIS (``decoupled_seq_is``); moderate long ->
+Geo-RS-Seq-TIS (``decoupled_geo_rs_seq_tis``), or pure Geo-RS (``decoupled_geo_rs``) once sequence weights have
+collapsed; severe short -> Seq-MIS (``decoupled_seq_is_rs``); severe long -> Geo-RS (``decoupled_geo_rs``).  A dump
+recorded in bypass mode gets the bypass twin of the choice.  Every number about what a preset would reject comes
+from the engine run on the dump (``report["presets"]``), never from a second implementation.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional
+
+from slime_rc.tools.analyze.accumulate import CATASTROPHIC_RATIO
+
+NEGLIGIBLE_K3 = 1e-4          # token k3 below this (and chi2_seq below the next): same checkpoint, numerical noise
+NEGLIGIBLE_CHI2_SEQ = 0.05    # raw sequence weights within a few % of 1 (their ESS ~ 1/(1+chi2_seq) > 0.95)
+SEVERE_K3 = 1e-2              # docs/metrics.md: k3_kl > 1e-2 "investigate"; beyond numerical mismatch
+SEVERE_CHI2_TOKEN = 0.25      # token ESS ~ 1/(1+chi2_token) < 0.8, the "healthy" ESS of docs/metrics.md
+LONG_SEQ_TOKENS = 1024        # mean loss tokens per sample from which samples count as long (CoT, agents)
+LENGTH_TRAP_SPREAD = 1.0      # 2*T*k3 (predicted variance of S = sum log r) above this: length-driven collapse
+SEQ_COLLAPSE_CHI2 = 1.0       # chi2_seq above this: raw sequence weights keep under half the batch effective
+MAX_REJECTED_SEQ_FRACTION = 0.2  # warn when the recommendation drops more samples than this
+MIN_ESS = 0.5                 # warn when the recommendation's IS weights keep less effective sample size
+MAX_VETO_SEQ_FRACTION = 0.05  # docs/metrics.md: more vetoed samples than this, investigate the engine
+SHIFT_LOG_MEDIAN = 0.01       # |log median ratio| above this: every token shifted (temperature / top-p mismatch?)
+CONCENTRATION = 2.0           # a probability bucket holding this many times its token share of k3 is reported
+
+BYPASS_TWIN = {"decoupled_token_is": "ppo_is_bypass", "decoupled_seq_is": "bypass_pg_is",
+               "decoupled_geo_rs_seq_tis": "bypass_pg_geo_rs_seq_tis", "decoupled_geo_rs": "pg_rs",
+               "decoupled_seq_is_rs": None, "bypass_ppo_clip": "bypass_ppo_clip"}
+GEOMETRIC_OPTIONS = ("geometric", "seq_mean_k1")
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.3g}%"
+
+
+def recommend(report: dict) -> dict:
+    """``report``: the dictionary of :func:`slime_rc.tools.analyze.analyze` (metrics, ``dump``, ``presets``,
+    ``veto_variants``, ``by_probability``).  Returns ``{"recommended_preset", "flags", "severity",
+    "length_regime", "reasons", "warnings", "notes", "alternative"}``; every reason cites the number that
+    triggered it and the threshold it was compared with."""
+    kl, chi2_tok, chi2_seq = report["kl"], report["chi2_token"], report["chi2_seq"]
+    d = report["dump"]
+    T, clamp = d["mean_length"], d["seq_clamp_fraction"]
+    reasons: List[str] = []
+    warnings: List[str] = []
+    k3, k3n = report["k3_kl"], "k3_kl"
+    if report["catastrophic_tokens"]:
+        # the veto removes catastrophic tokens; each weighs ~ -log r in k3, so judge the rest on its own
+        k3, k3n = report["k3_kl_excluding_catastrophic"], "k3_kl_excluding_catastrophic"
+        reasons.append(f"severity judged without the {report['catastrophic_tokens']} catastrophic token(s) the veto "
+                       f"drops: k3_kl = {report['k3_kl']:.3g} with them, {k3:.3g} (k3_kl_excluding_catastrophic) "
+                       f"without")
+
+    # 1. severity
+    if k3 >= SEVERE_K3 or chi2_tok >= SEVERE_CHI2_TOKEN:
+        severity = "severe"
+        why = (f"{k3n} = {k3:.3g} >= SEVERE_K3 = {SEVERE_K3:g}" if k3 >= SEVERE_K3 else
+               f"chi2_token = {chi2_tok:.3g} >= SEVERE_CHI2_TOKEN = {SEVERE_CHI2_TOKEN:g} (heavy tail of token "
+               f"ratios; token ESS ~ 1/(1+chi2_token) = {1 / (1 + chi2_tok):.2f}) while {k3n} = {k3:.3g}")
+        reasons.append(f"severity severe: {why}")
+        warnings.append(f"{k3n} = {k3:.3g}, chi2_token = {chi2_tok:.3g}: this is beyond a numerical precision gap; "
+                        f"check weight sync / staleness, the sampling temperature (SGLang returns log-softmax of "
+                        f"logits / T) and top-p / top-k truncation on both sides")
+    elif k3 < NEGLIGIBLE_K3 and chi2_seq < NEGLIGIBLE_CHI2_SEQ:
+        severity = "negligible"
+        reasons.append(f"severity negligible: {k3n} = {k3:.3g} < NEGLIGIBLE_K3 = {NEGLIGIBLE_K3:g} and chi2_seq = "
+                       f"{chi2_seq:.3g} < NEGLIGIBLE_CHI2_SEQ = {NEGLIGIBLE_CHI2_SEQ:g}: no IS correction needed")
+    else:
+        severity = "moderate"
+        if k3 >= NEGLIGIBLE_K3:
+            reasons.append(f"severity moderate: NEGLIGIBLE_K3 = {NEGLIGIBLE_K3:g} <= {k3n} = {k3:.3g} < SEVERE_K3 = "
+                           f"{SEVERE_K3:g} and chi2_token = {chi2_tok:.3g} < SEVERE_CHI2_TOKEN = {SEVERE_CHI2_TOKEN:g}")
+        else:
+            reasons.append(f"severity moderate: {k3n} = {k3:.3g} < NEGLIGIBLE_K3 = {NEGLIGIBLE_K3:g} per token, but "
+                           f"chi2_seq = {chi2_seq:.3g} >= NEGLIGIBLE_CHI2_SEQ = {NEGLIGIBLE_CHI2_SEQ:g}: the gap "
+                           f"adds up over {T:.0f}-token samples")
+
+    # 2. length
+    t_star = LENGTH_TRAP_SPREAD / (2.0 * k3) if k3 > 0 else math.inf
+    long_by_length = T >= LONG_SEQ_TOKENS
+    trapped = T >= t_star or clamp > 0  # long relative to this mismatch: the length is what spreads S
+    long = long_by_length or (severity == "moderate" and trapped)
+    collapsed = chi2_seq >= SEQ_COLLAPSE_CHI2 or clamp > 0  # measured: raw sequence weights are degenerate
+    physics = (f"S = sum_t log r has mean -T*kl = {-T * kl:.3g} and spread sqrt(2*T*k3) = "
+               f"{math.sqrt(2 * T * k3):.3g}, so raw sequence weights exp(S) keep ESS ~ exp(-2*T*k3) = "
+               f"{math.exp(-2 * T * k3):.3g}; at this mismatch they collapse (2*T*k3 >= LENGTH_TRAP_SPREAD = "
+               f"{LENGTH_TRAP_SPREAD:g}) beyond T* = {t_star:.4g} tokens; measured chi2_seq = {chi2_seq:.3g} "
+               f"(SEQ_COLLAPSE_CHI2 = {SEQ_COLLAPSE_CHI2:g}), {_pct(clamp)} of samples have |S| at the ±20 clamp")
+    length = f"mean length T = {T:.0f} loss tokens (max {d['max_length']})"
+    if severity != "negligible":
+        if long_by_length:
+            reasons.append(f"long samples: {length} >= LONG_SEQ_TOKENS = {LONG_SEQ_TOKENS}; {physics}. Geo-RS "
+                           f"judges the per-token geometric mean exp(S/T), which does not grow with T")
+        elif long:
+            reasons.append(f"long for this mismatch (Length Trap): {length} < LONG_SEQ_TOKENS = {LONG_SEQ_TOKENS} "
+                           f"but T >= T*: {physics}")
+        else:
+            reasons.append(f"short samples: {length} < LONG_SEQ_TOKENS = {LONG_SEQ_TOKENS}"
+                           + (" and < T*" if severity == "moderate" else "") + f"; {physics}")
+
+    # choice
+    if severity == "negligible":
+        name = "bypass_ppo_clip"
+        reasons.append("bypass_ppo_clip: with negligible mismatch the PPO ratio pi_theta/pi_rollout needs no IS "
+                       "weights, and bypass mode (pi_old := pi_rollout) skips the recompute pass (§5.3)")
+    elif severity == "moderate" and not long:
+        name = "decoupled_seq_is"
+        reasons.append(f"Seq-TIS (decoupled_seq_is): for short samples the sequence weight corrects the whole "
+                       f"sample without the O(T^2) bias of per-token weights, and truncation at 2 bounds its variance "
+                       f"(measured chi2_seq = {chi2_seq:.3g}); Token-TIS (decoupled_token_is) is the lower-variance, "
+                       f"biased alternative")
+    elif severity == "moderate" and not collapsed:
+        name = "decoupled_geo_rs_seq_tis"
+        reasons.append(f"Geo-RS-Seq-TIS (decoupled_geo_rs_seq_tis): the geometric filter is length-invariant and "
+                       f"the sequence weights are still informative (chi2_seq = {chi2_seq:.3g} < "
+                       f"{SEQ_COLLAPSE_CHI2:g}, no sample at the clamp), so truncated sequence IS still debiases")
+    elif severity == "moderate":
+        name = "decoupled_geo_rs"
+        why = (f"chi2_seq = {chi2_seq:.3g} >= SEQ_COLLAPSE_CHI2 = {SEQ_COLLAPSE_CHI2:g}"
+               if chi2_seq >= SEQ_COLLAPSE_CHI2 else f"{_pct(clamp)} of samples have |S| at the ±20 clamp")
+        reasons.append(f"Geo-RS (decoupled_geo_rs): sequence weights have collapsed ({why}), so a sequence IS factor "
+                       f"would give most samples ~0 weight; pure geometric rejection (with veto) is length-invariant")
+    elif not long:
+        name = "decoupled_seq_is_rs"
+        reasons.append("Seq-MIS (decoupled_seq_is_rs): under severe mismatch high-weight samples are likely "
+                       "garbage; sequence IS plus rejection of samples whose ratio leaves [0.5, 2] filters that "
+                       "toxic tail (§5.3)")
+    else:
+        name = "decoupled_geo_rs"
+        reasons.append("Geo-RS (decoupled_geo_rs): severe mismatch on long samples: sequence weights are "
+                       "meaningless, so reject by the length-invariant geometric mean (with veto)")
+
+    # operating mode
+    modes = d.get("modes") or {}
+    dump_mode = max(modes, key=modes.get) if modes else None
+    twin = BYPASS_TWIN.get(name)
+    alternative = None
+    if name != "bypass_ppo_clip":
+        if dump_mode == "bypass" and twin:
+            alternative, name = name, twin
+            reasons.append(f"operating mode bypass: the dump was recorded in bypass mode ({modes['bypass']} samples "
+                           f"with mode=bypass), so the same estimator in bypass REINFORCE: {name} (decoupled "
+                           f"equivalent: {alternative})")
+        else:
+            alternative = twin
+            recorded = f"the dump was recorded in {dump_mode} mode; " if dump_mode else ""
+            reasons.append(f"operating mode decoupled: {recorded}pi_old is recomputed, so the correction is "
+                           f"batch-size invariant" + (f"; {twin} is the bypass twin (skips the recompute pass, faster, "
+                                                      f"no batch-size invariance)" if twin else
+                                                      "; no bypass preset has this estimator"))
+
+    # 3. catastrophic tokens -> veto
+    cat_frac = report.get("rollout_is_catastrophic_token_fraction", 0.0)
+    veto_frac = report.get("rollout_is_veto_fraction", 0.0)
+    row = report["presets"][name]
+    flags = f"--rollout-correction-preset {name}"
+    if cat_frac > 0:
+        n_cat = round(cat_frac * d["valid_tokens"])
+        if row["veto"] is not None:
+            reasons.append(f"veto: {n_cat} catastrophic token(s) (ratio < {CATASTROPHIC_RATIO:g}; "
+                           f"rollout_is_catastrophic_token_fraction = {cat_frac:.3g}) in {_pct(veto_frac)} of "
+                           f"samples; {name} already vetoes at {row['veto']:g}")
+        else:
+            row = report["veto_variants"][name]
+            flags += f" --rs-veto-threshold {CATASTROPHIC_RATIO:g}"
+            reasons.append(f"veto: {n_cat} catastrophic token(s) (ratio < {CATASTROPHIC_RATIO:g}; "
+                           f"rollout_is_catastrophic_token_fraction = {cat_frac:.3g}, rollout_is_min = "
+                           f"{report.get('rollout_is_min', 0.0):.3g}) in {_pct(veto_frac)} of samples: add "
+                           f"--rs-veto-threshold {CATASTROPHIC_RATIO:g} to drop those samples")
+        if veto_frac > MAX_VETO_SEQ_FRACTION:
+            warnings.append(f"the veto drops {_pct(veto_frac)} of samples (> MAX_VETO_SEQ_FRACTION = "
+                            f"{_pct(MAX_VETO_SEQ_FRACTION)}): catastrophic tokens are common, investigate the engine")
+    else:
+        reasons.append(f"no veto needed: no token has ratio < CATASTROPHIC_RATIO = {CATASTROPHIC_RATIO:g} "
+                       f"(rollout_is_min = {report.get('rollout_is_min', 0.0):.3g})")
+
+    # what the engine says the choice does to this dump
+    ess = row["ess"]
+    reasons.append(f"on this dump the engine with {flags.replace('--rollout-correction-preset ', '')} rejects "
+                   f"{_pct(row['rejected_token_fraction'])} of tokens and {_pct(row['rejected_seq_fraction'])} of "
+                   f"samples" + ("" if ess is None else f", IS effective sample size {ess:.3g}")
+                   + ("" if row["is_weights_applied"] or ess is None else " (IS weights diagnostics only)"))
+    if row["rejected_seq_fraction"] > MAX_REJECTED_SEQ_FRACTION:
+        text = (f"{name} rejects {_pct(row['rejected_seq_fraction'])} of samples (> MAX_REJECTED_SEQ_FRACTION = "
+                f"{_pct(MAX_REJECTED_SEQ_FRACTION)})")
+        crit = [r for r in report["presets"][name]["rs"].split("; ") if r.split(" ")[0] in GEOMETRIC_OPTIONS]
+        if crit:
+            lo, hi = report["geometric_band_95"]
+            text += (f": its band {crit[0].split(' ', 1)[1]} is tight for this mismatch; at least 95% of samples "
+                     f"have a geometric-mean ratio in [{lo}, {hi}] (geometric_band_95): widen it with "
+                     f"--rs-upper-bound {lo}_{hi}, or investigate the mismatch")
+        else:
+            text += ": loosen its bounds or investigate the mismatch"
+        warnings.append(text)
+    if ess is not None and ess < MIN_ESS:
+        warnings.append(f"{name}'s IS weights keep an effective sample size of {ess:.3g} (< MIN_ESS = {MIN_ESS:g}): "
+                        f"the weights are degenerate")
+
+    notes = _notes(report)
+    return {"recommended_preset": name, "flags": flags, "severity": severity,
+            "length_regime": None if severity == "negligible" else ("long" if long else "short"),
+            "reasons": reasons, "warnings": warnings, "notes": notes, "alternative": alternative}
+
+
+def _notes(report: dict) -> List[str]:
+    notes = []
+    rows = report["by_probability"]
+    hot: Optional[dict] = max(rows, key=lambda r: r["k3_share"] / max(r["token_share"], 1e-300), default=None)
+    if hot and hot["k3_share"] >= CONCENTRATION * hot["token_share"] and hot["k3_share"] > 0:
+        notes.append(f"{_pct(hot['k3_share'])} of the k3 mismatch sits on tokens with {hot['bucket']} "
+                     f"({_pct(hot['token_share'])} of tokens): mismatch concentrates on low-probability tokens "
+                     f"(bf16 resolution, sampling truncation)" if hot["min_prob"] < 0.1 else
+                     f"{_pct(hot['k3_share'])} of the k3 mismatch sits on tokens with {hot['bucket']} "
+                     f"({_pct(hot['token_share'])} of tokens)")
+    p50 = report["quantiles"].get("p50", 1.0)
+    if p50 > 0 and abs(math.log(p50)) > SHIFT_LOG_MEDIAN:
+        notes.append(f"median ratio p50 = {p50:.4g} (|log p50| > SHIFT_LOG_MEDIAN = {SHIFT_LOG_MEDIAN:g}): every "
+                     f"token is shifted, a systematic gap (temperature, top-p, a different checkpoint)")
+    return notes
