@@ -23,12 +23,12 @@ import json
 import sys
 from typing import Any, Dict, List, Optional, Tuple
 
-from slime_rc.config.arguments import (FLAGS, OTHER_FLAGS, SLIME_OWNED_FLAGS, add_rollout_correction_arguments,
-                        add_slime_owned_arguments, resolve_args)
+from slime_rc.config.arguments import (SLIME_OWNED_FLAGS, add_rollout_correction_arguments, add_slime_owned_arguments,
+                                      resolve_args)
+from slime_rc.config.knobs import ALL_FLAGS, SPELLINGS
 from slime_rc.config.schema import RolloutCorrectionConfig
-from slime_rc.config.layers import SPELLINGS
+from slime_rc.config.yaml_config import SLIME_LOSS_TYPES, load_yaml_layer
 from slime_rc.slime.settings import beyond_slime, explain
-from slime_rc.config.yaml_config import SLIME_LOSS_TYPES
 
 MODE_TEXT = {
     ("standard", "ppo_clip"): "standard PPO: ratio pi_theta/pi_old, pi_old recomputed, no correction",
@@ -104,8 +104,7 @@ def _config_command(args: argparse.Namespace, ignored: List[str]) -> int:
 
 
 def _flag_of_attribute() -> Dict[str, str]:
-    flags = list(SLIME_OWNED_FLAGS) + [f for f in list(FLAGS) + list(OTHER_FLAGS) if f not in SLIME_OWNED_FLAGS]
-    return {f[2:].replace("-", "_"): f for f in flags}
+    return {f.dest: f.flag for f in ALL_FLAGS}
 
 
 def _slime_yaml(args: argparse.Namespace) -> Dict[str, Any]:
@@ -185,8 +184,6 @@ def copy_yaml_as_slime(args: argparse.Namespace, data: Dict[str, Any]) -> argpar
 
 
 def _slime_config_command(args: argparse.Namespace, ignored: List[str]) -> int:
-    from slime_rc.config.yaml_config import load_yaml_layer
-
     # what slime would misread in the YAML (1e-4, quoted numbers, our loss_type under slime's key, near-misses of
     # our keys) is an error before anything is printed
     ignored_yaml = load_yaml_layer(args.custom_config_path, slime=True).ignored if args.custom_config_path else []

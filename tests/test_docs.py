@@ -71,14 +71,24 @@ def test_every_preset_row_matches_the_code():
 
 
 def test_every_flag_is_documented_and_no_stale_flags():
-    from slime_rc.config.arguments import FLAGS, OTHER_FLAGS
+    from slime_rc.config.knobs import ALL_FLAGS
     text = _read("usage.md")
     documented = set(re.findall(r"^\| `(--[a-z-]+)`", text, flags=re.M))
-    assert documented == set(FLAGS) | set(OTHER_FLAGS), documented ^ (set(FLAGS) | set(OTHER_FLAGS))
+    flags = {f.flag for f in ALL_FLAGS}  # the knob table's flags (argparse's FLAGS / OTHER_FLAGS are views of it)
+    assert documented == flags, documented ^ flags
+
+
+def test_every_flag_row_is_the_knob_tables():
+    """usage.md's flag table, row by row: the flag, the setting it sets (— for the launch flags) and its help."""
+    from slime_rc.config.knobs import ALL_FLAGS
+    row = r"^\| `(--[a-z-]+)` \| (?:`[a-z_]+`|—) \|.*\|$"
+    rows = {m.group(1): m.group(0) for m in re.finditer(row, _read("usage.md"), flags=re.M)}
+    for f in ALL_FLAGS:
+        assert rows[f.flag] == f"| `{f.flag}` | {f'`{f.knob}`' if f.knob else '—'} | {f.help} |", f.flag
 
 
 def test_every_yaml_key_is_documented():
-    from slime_rc.config.layers import SPELLINGS
+    from slime_rc.config.knobs import SPELLINGS
     text = _read("usage.md") + _read("configuration.md")
     missing = [k for k in SPELLINGS if f"`{k}`" not in text]
     assert not missing, missing

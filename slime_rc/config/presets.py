@@ -1,9 +1,9 @@
 """Named presets: the estimator + mode combinations of ``rollout_corr_math.md`` and of current verl.
 
-Each preset is a function of its thresholds returning flat settings (the slime key set of
-:mod:`slime_rc.config.layers`), so that ``--rollout-correction-preset NAME`` is the lowest layer and any flag or YAML
-key overrides a single setting of it.  They are exposed as classmethods of
-:class:`~slime_rc.RolloutCorrectionConfig` (``RolloutCorrectionConfig.decoupled_seq_is(threshold=3.0)``).
+Plain functions of their thresholds returning flat settings (the setting keys of :mod:`slime_rc.config.knobs`), so
+that ``--rollout-correction-preset NAME`` is the lowest layer and any flag or YAML key overrides a single setting of
+it.  Build one with ``RolloutCorrectionConfig.preset(NAME, **thresholds)`` (``RolloutCorrectionConfig.NAME(...)``
+is a deprecated alias of it) or use it as a layer (:func:`slime_rc.config.stack.preset_layer`).
 
 Thresholds are ratio bounds on ``r = pi_train / pi_rollout``: a number is the upper bound (lower = 1/upper),
 ``"lo_hi"`` gives both; the k3 presets bound a divergence from above.  ``*_geo_rs`` is ``seq_mean_k1`` (the
@@ -12,13 +12,10 @@ geometric mean ratio, with ``geometric`` as its older spelling), ``*_k3_rs`` is 
 
 from __future__ import annotations
 
-import functools
-import inspect
-from typing import Callable, Dict, Union
+from typing import Callable, Dict
 
-from slime_rc.config.schema import RS_OPTIONS, RolloutCorrectionConfig, split_threshold
-
-Threshold = Union[float, str]
+from slime_rc.config._text import Threshold, split_threshold
+from slime_rc.config.rejection import RS_OPTIONS
 
 DECOUPLED = {"use_rollout_logprobs": False, "loss_type": "ppo_clip"}
 BYPASS_PPO = {"use_rollout_logprobs": True, "loss_type": "ppo_clip"}
@@ -182,21 +179,3 @@ PRESETS: Dict[str, Callable[..., dict]] = {f.__name__: f for f in (
     bypass_pg_token_icepop,
 )}
 
-
-def _preset_classmethod(name: str, settings_fn: Callable[..., dict]):
-    @functools.wraps(settings_fn)
-    def build(cls, *args, **kwargs):
-        params = list(inspect.signature(settings_fn).parameters)
-        if len(args) > len(params):
-            raise TypeError(f"preset {name}() takes at most {len(params)} threshold arguments ({', '.join(params)})")
-        twice = set(params[:len(args)]) & set(kwargs)
-        if twice:
-            raise TypeError(f"preset {name}(): {', '.join(sorted(twice))} given both by position and by keyword")
-        return cls.preset(name, **dict(zip(params, args)), **kwargs)
-    build.__doc__ = f"Preset ``{name}``: {settings_fn.__doc__}"
-    return classmethod(build)
-
-
-# RolloutCorrectionConfig.decoupled_seq_is(threshold=3.0) & co. (importing slime_rc attaches them)
-for _name, _fn in PRESETS.items():
-    setattr(RolloutCorrectionConfig, _name, _preset_classmethod(_name, _fn))

@@ -1,9 +1,13 @@
 """``--custom-config-path``: a YAML file in slime's or verl's dialect, read with ``yaml.safe_load``.
 
+The keys of each dialect are the knob table's spellings (:data:`slime_rc.config.knobs.SPELLINGS`); this module
+only finds them in the file (flat, or under verl's ``algorithm.rollout_correction``) and refuses what slime would
+misread.
+
 * slime: a flat mapping of slime keys (``use_tis: true``, ``tis_level: sequence``, ``mis_*`` aliases, ...) — the
   spec's ``mis.yaml``.  slime copies ONE such YAML onto ``args`` for every plugin, so it also holds keys of slime
   itself and of other plugins: keys slime-rc does not know are ignored (listed in ``Layer.ignored``), except a
-  near-miss of one of ours (``tis_uper_bound``; :func:`slime_rc.config.layers.near_miss`), which is refused naming the
+  near-miss of one of ours (``tis_uper_bound``; :func:`slime_rc.config._text.near_miss`), which is refused naming the
   file, the key and the closest valid key.  A number written as a quoted string (``tis_upper_bound: '2.0'``) is
   refused: slime copies values onto ``args`` as they are, so slime's side would get a string;
 * verl: ``algorithm: {rollout_correction: {rollout_is, rollout_is_threshold, rollout_rs, bypass_mode, loss_type,
@@ -25,7 +29,9 @@ from typing import Any, Dict, List
 
 import yaml
 
-from slime_rc.config.layers import SPELLINGS, Layer, near_miss
+from slime_rc.config._text import near_miss
+from slime_rc.config.knobs import SPELLINGS
+from slime_rc.config.stack import Layer
 
 
 class _Loader(yaml.SafeLoader):

@@ -1,4 +1,5 @@
-"""Metric names, their definitions, and their computation from reduced batch totals.
+"""Metric names and definitions (:data:`METRICS`), the batch totals behind them (collectives 2 and 3) and the
+metrics computed from those totals (stage 5).
 
 Conventions (all metrics are global over the reducer's batch group):
 * a *valid token* is a loss token (loss_mask = 1) with finite log-probs; a *valid sequence* has >= 1 valid token;
@@ -12,11 +13,16 @@ Conventions (all metrics are global over the reducer's batch group):
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from slime_rc.correction.quantiles import QUANTILES, quantiles_from_histogram
+from slime_rc.config.schema import RolloutCorrectionConfig
+from slime_rc.correction.quantiles import QUANTILES, histogram, quantiles_from_histogram
+from slime_rc.correction.records import (BatchTotals, CriterionTotals, Extremes, Number, PackedBatch, SequenceDecisions,
+                                         SequenceExtremes, SequenceStats, SequenceTotals, SequenceWeightTotals,
+                                         TokenStats, TokenTotals, TokenWeights, TokenWeightTotals, leaves, with_leaves)
+from slime_rc.correction.reducer import LocalReducer
 
 # name -> (when it is reported, definition).  docs/metrics.md is checked against this table by a test.
 METRICS = {
@@ -79,64 +85,170 @@ METRICS = {
 }
 
 
-class Totals:
-    """Collects named batch totals (summed across ranks) and extremes (maxed across ranks).
+# ---- batch totals: collectives 2 (SUM) and 3 (MAX) ---------------------------------------------------------------
+# Perplexity is exp(-mean log-prob), not a ratio: it gets no safety bound, only a float64 overflow guard.
+_PPL_EXP_MAX = 700.0
 
-    Values are gathered into one float64 vector per kind so that a call costs one collective each, and are
-    read back to Python floats in one transfer: the metric formulas then cost no tensor operations.
+
+def batch_totals(batch: PackedBatch, tokens: TokenStats, seqs: SequenceStats, decisions: SequenceDecisions,
+                 kept: TokenWeights, config: RolloutCorrectionConfig, reducer: LocalReducer) -> BatchTotals:
+    """The totals behind every metric and batch normalization, global over the reducer's batch group.
+
+    One float64 vector goes through collective 2 (SUM): the :class:`TokenTotals` (sums over this rank's tokens), the
+    quantile histogram (IS on) and the :class:`SequenceTotals` (sums of per-sequence terms, counted by one rank per
+    sequence group); one through collective 3 (MAX): the :class:`Extremes`.  Then three host reads in all.
     """
+    bound = config.safety_bound
+    lr64 = tokens.log_ratio64
+    ratio64 = tokens.ratio.double()
+    weight_totals, hist, (raw_max, raw_neg_min) = \
+        _is_token_totals(tokens, seqs, decisions, kept, config) if config.is_enabled else (None, None, (None, None))
+    token = TokenTotals(
+        valid=int(tokens.n_valid), loss=int(tokens.n_loss_tokens), kept=kept.keep.sum(),
+        log_ratio_sum=lr64.sum(), abs_log_ratio_sum=torch.linalg.vector_norm(lr64, 1),
+        clamped_log_ratio_sum=lr64.clamp(-bound, bound).sum(),
+        # sums of r and r^2 over valid tokens: invalid tokens hold r = 1 exactly, so their count comes off after
+        ratio_sum_all=ratio64.sum(), ratio_sq_sum_all=torch.dot(ratio64, ratio64),
+        invalid=tokens.n_invalid, nonfinite=tokens.n_nonfinite,
+        veto=None if tokens.veto is None else tokens.veto.count,
+        rs_criteria={option: rule.count for option, rule in tokens.rs_token.items()},
+        is_mask=None if tokens.is_mask is None else tokens.is_mask.count,
+        weights=weight_totals,
+    )
+    terms, extreme_columns = _sequence_terms(seqs, decisions, config)
+    columns = leaves(extreme_columns)
+    if batch.n_seqs:
+        maxima = torch.stack(columns, 1).masked_fill(~seqs.has_tokens[:, None], -math.inf).amax(0).unbind()
+    else:
+        maxima = [-math.inf] * len(columns)
+    extremes = Extremes(token_raw_max=raw_max, token_raw_neg_min=raw_neg_min,
+                        sequences=with_leaves(extreme_columns, maxima))
+    return _reduce(token, hist, terms, extremes, reducer, batch)
 
-    def __init__(self, device):
-        self.device = device
-        self._sum_names, self._sum_values = [], []  # 0-d tensors or Python numbers
-        self._vec_names, self._vec_values = [], []  # [k] float64 tensors
-        self._max_names, self._max_values = [], []
 
-    def add(self, name: str, value) -> None:
-        self._sum_names.append(name)
-        self._sum_values.append(value)
+def _is_token_totals(tokens: TokenStats, seqs: SequenceStats, decisions: SequenceDecisions, kept: TokenWeights,
+                     config: RolloutCorrectionConfig):
+    """IS on: the :class:`TokenWeightTotals`, the ``[num_bins]`` histogram of the raw log-ratio, and the token-level
+    raw extremes ``(max, -min)`` of ``clamp(log r)`` over valid tokens (None at sequence level)."""
+    bound, bins = config.safety_bound, config.quantile_bins_per_octave
+    log_hi, log_lo = math.log(config.is_upper_bound), math.log(config.is_lower)
+    w64 = kept.weights.double()
+    if config.is_level == "token":
+        lr, valid, n_invalid = tokens.log_ratio, tokens.valid, tokens.n_invalid
+        # invalid tokens hold lr == 0: they can only count when a bound sits on the wrong side of 1
+        above, below = lr > log_hi, lr < log_lo
+        raw_above = (above if log_hi >= 0 else above & valid).sum()
+        raw_below = (below if log_lo <= 0 else below & valid).sum()
+        hist = histogram(lr, bins, bound)
+        hist[hist.numel() // 2] -= n_invalid  # ... and land in the centre bin: take them out there
+        valid_lr = tokens.clamped_log_ratio if n_invalid == 0 else tokens.clamped_log_ratio[valid]
+        lo_hi = valid_lr.aminmax() if valid_lr.numel() else None
+        extremes = (lo_hi.max, -lo_hi.min) if lo_hi is not None else (-math.inf, -math.inf)
+    else:
+        # token-weighted sums of a per-sequence value use this rank's token counts: exact after the SUM
+        local_n, raw = seqs.local_valid_tokens, decisions.raw_log_ratio
+        raw_above = (local_n * (raw > log_hi)).sum()
+        raw_below = (local_n * (raw < log_lo)).sum()
+        hist = histogram(raw.clamp(-bound, bound), bins, bound, weights=local_n)
+        extremes = (None, None)
+    return TokenWeightTotals(w64.sum(), torch.dot(w64, w64), raw_above, raw_below), hist, extremes
 
-    def add_many(self, names, values: torch.Tensor) -> None:
-        """``values``: ``[len(names)]`` tensor of totals."""
-        self._vec_names.append(list(names))
-        self._vec_values.append(values.to(torch.float64).reshape(-1))
 
-    def add_histogram(self, values: torch.Tensor) -> None:
-        self._vec_names.append(None)
-        self._vec_values.append(values.to(torch.float64).reshape(-1))
+def _sequence_terms(seqs: SequenceStats, decisions: SequenceDecisions, config: RolloutCorrectionConfig):
+    """``[B]`` per-sequence terms: the :class:`SequenceTotals` summands and the :class:`SequenceExtremes` columns."""
+    sums, has_tokens, bound = seqs.sums, seqs.has_tokens, config.safety_bound
+    n = sums.valid_tokens
+    flags = decisions.rs_flags
+    rs_criteria = {c.option: CriterionTotals(tokens=None if c.granularity == "token" else n * flags[c.option],
+                                             seqs=flags[c.option]) for c in config.rs}
+    rs_tokens = None
+    if config.rs:
+        # a sequence dropped by a sequence criterion loses all its valid tokens, else what token criteria took
+        token_rs = sums.rs_token_rejected if sums.rs_token_rejected is not None else torch.zeros_like(n)
+        rs_tokens = torch.where(decisions.rs_dropped, n, token_rs)
+    seq_level = config.is_level in ("sequence", "geometric")
+    loss = has_tokens | decisions.nonfinite
+    mean_train, mean_rollout = seqs.train_log_prob_mean, seqs.rollout_log_prob_mean
+    log_ppl_diff = mean_rollout - mean_train  # = log(training_ppl_i / rollout_ppl_i)
 
-    def add_max(self, name: str, value) -> None:
-        """``value`` None (an empty local batch) contributes -inf."""
-        self._max_names.append(name)
-        self._max_values.append(-math.inf if value is None else value)
+    weights = None
+    w = raw = None
+    if config.is_enabled:
+        w, raw = decisions.sequence_weight, decisions.raw_log_ratio
+        log_hi, log_lo = math.log(config.is_upper_bound), math.log(config.is_lower)
+        weights = SequenceWeightTotals(
+            kept_sum=torch.where(decisions.kept, w, 0.0) if seq_level else None,
+            weight=w * has_tokens, weight_sq=w * w * has_tokens,
+            above=has_tokens & (raw > log_hi), below=has_tokens & (raw < log_lo))
+    terms = SequenceTotals(
+        nonfinite=decisions.nonfinite,
+        veto=decisions.vetoed,
+        rs_criteria=rs_criteria,
+        rs_tokens=rs_tokens,
+        rs_seqs=decisions.rs_any if config.rs else None,
+        is_mask_tokens=n * decisions.is_mask if seq_level and decisions.is_mask is not None else None,
+        is_mask_seqs=decisions.is_mask,
+        valid=has_tokens,
+        loss=loss,
+        kept=decisions.kept,
+        rejected=loss & ~decisions.kept,
+        train_log_ppl=-mean_train * has_tokens,
+        train_ppl=torch.exp((-mean_train).clamp(max=_PPL_EXP_MAX)) * has_tokens,
+        rollout_log_ppl=-mean_rollout * has_tokens,
+        rollout_ppl=torch.exp((-mean_rollout).clamp(max=_PPL_EXP_MAX)) * has_tokens,
+        log_ppl_diff=log_ppl_diff * has_tokens,
+        log_ppl_abs_diff=log_ppl_diff.abs() * has_tokens,
+        ppl_ratio=torch.exp(log_ppl_diff.clamp(-bound, bound)) * has_tokens,
+        seq_ratio_sq=torch.exp(2 * sums.log_ratio.clamp(-bound, bound)) * has_tokens,
+        weights=weights,
+    )
+    seq_raw = raw if seq_level else None
+    extreme_columns = SequenceExtremes(
+        log_ppl_diff_max=log_ppl_diff, log_ppl_diff_neg_min=-log_ppl_diff,
+        raw_max=seq_raw, raw_neg_min=None if seq_raw is None else -seq_raw,
+        weight_max=w, weight_neg_min=None if w is None else -w, weight_max_dev=None if w is None else (w - 1).abs())
+    return terms, extreme_columns
 
-    @staticmethod
-    def _vector(names, values, device):
-        """Order: tensor-valued entries (one stack), then Python numbers (one tensor)."""
-        tn = [n for n, v in zip(names, values) if isinstance(v, torch.Tensor)]
-        tv = [v for v in values if isinstance(v, torch.Tensor)]  # 0-d; stack promotes them to float64
-        pn = [n for n, v in zip(names, values) if not isinstance(v, torch.Tensor)]
-        pv = [float(v) for v in values if not isinstance(v, torch.Tensor)]
-        parts = ([torch.stack(tv).double()] if tv else []) + [torch.tensor(pv, dtype=torch.float64, device=device)]
-        return tn + pn, torch.cat(parts)
 
-    def reduce(self, reducer):
-        """-> (dict name -> Python float, histogram tensor or None)."""
-        names, head = self._vector(self._sum_names, self._sum_values, self.device)
-        parts = [head] + self._vec_values
-        sums = reducer.sum_totals(torch.cat(parts))
-        chunks = sums.split([p.numel() for p in parts])
-        out = dict(zip(names, chunks[0].tolist()))
-        hist = None
-        for vec_names, chunk in zip(self._vec_names, chunks[1:]):
-            if vec_names is None:
-                hist = chunk
-            else:
-                out.update(zip(vec_names, chunk.tolist()))
-        if self._max_values:
-            names, vec = self._vector(self._max_names, self._max_values, self.device)
-            out.update(zip(names, reducer.max_totals(vec).tolist()))
-        return out, hist
+def _pack(values: List[Number], device) -> Tuple[torch.Tensor, List[int]]:
+    """One float64 vector of 0-d tensors and Python numbers: the tensors first (one stack, which promotes them to
+    float64), then the numbers (one host-to-device copy); and the index in ``values`` of each entry."""
+    order = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+    n_tensors = len(order)
+    order += [i for i, v in enumerate(values) if not isinstance(v, torch.Tensor)]
+    tensors = [values[i] for i in order[:n_tensors]]
+    numbers = [float(values[i]) for i in order[n_tensors:]]
+    parts = ([torch.stack(tensors).double()] if tensors else []) + \
+        [torch.tensor(numbers, dtype=torch.float64, device=device)]
+    return torch.cat(parts), order
+
+
+def _unpack(reduced: List[float], order: List[int]) -> List[float]:
+    out = [0.0] * len(order)
+    for position, i in enumerate(order):
+        out[i] = reduced[position]
+    return out
+
+
+def _reduce(token: TokenTotals, hist: Optional[torch.Tensor], terms: SequenceTotals, extremes: Extremes,
+            reducer: LocalReducer, batch: PackedBatch) -> BatchTotals:
+    """Collectives 2 and 3: this rank's totals (records of local values) -> the batch's (records of floats)."""
+    dev = batch.device
+    head, head_order = _pack(leaves(token), dev)
+    columns = leaves(terms)
+    # Sequence-level totals are identical on every rank of a sequence group: exactly one rank counts them.
+    if batch.n_seqs and reducer.counts_sequences:
+        seq_sums = torch.stack(columns, 1).sum(0, dtype=torch.float64)
+    else:
+        seq_sums = torch.zeros(len(columns), dtype=torch.float64, device=dev)
+    parts = [head] + ([hist] if hist is not None else []) + [seq_sums]
+    sums = reducer.sum_totals(torch.cat(parts))  # collective 2
+    chunks = sums.split([p.numel() for p in parts])
+    token = with_leaves(token, _unpack(chunks[0].tolist(), head_order))
+    terms = with_leaves(terms, chunks[-1].tolist())
+    max_vector, max_order = _pack(leaves(extremes), dev)
+    extremes = with_leaves(extremes, _unpack(reducer.max_totals(max_vector).tolist(), max_order))  # collective 3
+    return BatchTotals(tokens=token, seqs=terms, extremes=extremes, histogram=chunks[1] if hist is not None else None)
 
 
 def _div(a: float, b: float) -> float:
@@ -151,68 +263,70 @@ def _exp(x: float, bound: float) -> float:
     return math.exp(min(max(x, -bound), bound))
 
 
-def finish_metrics(t: Dict[str, float], hist: Optional[torch.Tensor], config,
-                   norm: Optional[float]) -> Dict[str, float]:
-    """Metric values (Python floats) from reduced totals."""
-    tokens, seqs, loss_tokens, all_seqs = t["tokens"], t["valid_seqs"], t["loss_tokens"], t["loss_seqs"]
+def finish_metrics(t: BatchTotals, config: RolloutCorrectionConfig, norm: Optional[float]) -> Dict[str, float]:
+    """Metric values (Python floats, names in :data:`METRICS`) from the reduced batch totals; ``norm``: the batch
+    normalization factor (None when off)."""
+    tok, seq, ext = t.tokens, t.seqs, t.extremes
+    tokens, seqs, loss_tokens, all_seqs = tok.valid, seq.valid, tok.loss, seq.loss
     m = {
-        "training_log_ppl": _div(t["train_log_ppl"], seqs),
-        "training_ppl": _div(t["train_ppl"], seqs),
-        "rollout_log_ppl": _div(t["rollout_log_ppl"], seqs),
-        "rollout_ppl": _div(t["rollout_ppl"], seqs),
-        "log_ppl_diff": _div(t["log_ppl_diff"], seqs),
-        "log_ppl_abs_diff": _div(t["log_ppl_abs_diff"], seqs),
-        "log_ppl_diff_max": _fin(t["log_ppl_diff_max"]),
-        "log_ppl_diff_min": _fin(-t["log_ppl_diff_neg_min"]),
-        "ppl_ratio": _div(t["ppl_ratio"], seqs),
-        "kl": _div(-t["lr_sum"], tokens),
-        "k3_kl": _div(t["ratio_sum"] - tokens - t["lr_c_sum"], tokens),
-        "chi2_token": _div(t["ratio_sq_sum"], tokens) - 1.0 if tokens > 0 else 0.0,
-        "chi2_seq": _div(t["seq_ratio_sq"], seqs) - 1.0 if seqs > 0 else 0.0,
-        "train_rollout_logprob_abs_diff": _div(t["lr_abs_sum"], tokens),
-        "rejected_token_fraction": _div(loss_tokens - t["kept_tokens"], loss_tokens),
-        "rejected_seq_fraction": _div(t["rejected_seqs"], all_seqs),
+        "training_log_ppl": _div(seq.train_log_ppl, seqs),
+        "training_ppl": _div(seq.train_ppl, seqs),
+        "rollout_log_ppl": _div(seq.rollout_log_ppl, seqs),
+        "rollout_ppl": _div(seq.rollout_ppl, seqs),
+        "log_ppl_diff": _div(seq.log_ppl_diff, seqs),
+        "log_ppl_abs_diff": _div(seq.log_ppl_abs_diff, seqs),
+        "log_ppl_diff_max": _fin(ext.sequences.log_ppl_diff_max),
+        "log_ppl_diff_min": _fin(-ext.sequences.log_ppl_diff_neg_min),
+        "ppl_ratio": _div(seq.ppl_ratio, seqs),
+        "kl": _div(-tok.log_ratio_sum, tokens),
+        "k3_kl": _div(tok.ratio_sum - tokens - tok.clamped_log_ratio_sum, tokens),
+        "chi2_token": _div(tok.ratio_sq_sum, tokens) - 1.0 if tokens > 0 else 0.0,
+        "chi2_seq": _div(seq.seq_ratio_sq, seqs) - 1.0 if seqs > 0 else 0.0,
+        "train_rollout_logprob_abs_diff": _div(tok.abs_log_ratio_sum, tokens),
+        "rejected_token_fraction": _div(loss_tokens - tok.kept, loss_tokens),
+        "rejected_seq_fraction": _div(seq.rejected, all_seqs),
     }
     if config.on_nonfinite == "reject":
-        m["nonfinite_token_fraction"] = _div(t["nonfinite_tokens"], loss_tokens)
-        m["nonfinite_seq_fraction"] = _div(t["nonfinite_seqs"], all_seqs)
+        m["nonfinite_token_fraction"] = _div(tok.nonfinite, loss_tokens)
+        m["nonfinite_seq_fraction"] = _div(seq.nonfinite, all_seqs)
     if config.is_enabled:
         bound = config.safety_bound
-        n = t["kept_tokens"]
-        mean = _div(t["w_kept_sum"], n)
-        mean_sq = _div(t["w_kept_sq_sum"], n)
+        w, sw = tok.weights, seq.weights
+        n = tok.kept
+        mean = _div(w.kept_sum, n)
+        mean_sq = _div(w.kept_sq_sum, n)
         m["rollout_is_mean"] = mean
         m["rollout_is_std"] = math.sqrt(max(mean_sq - mean * mean, 0.0))
         m["rollout_is_eff_sample_size"] = mean * mean / mean_sq if mean_sq > 0 else 0.0
         any_tokens = tokens > 0
-        m["rollout_is_min"] = _exp(_fin(-t["raw_neg_min"]), bound) if any_tokens else 0.0
-        m["rollout_is_max"] = _exp(_fin(t["raw_max"]), bound) if any_tokens else 0.0
-        qs = quantiles_from_histogram(hist, config.quantile_bins_per_octave, bound).tolist()
+        m["rollout_is_min"] = _exp(_fin(-ext.raw_neg_min), bound) if any_tokens else 0.0
+        m["rollout_is_max"] = _exp(_fin(ext.raw_max), bound) if any_tokens else 0.0
+        qs = quantiles_from_histogram(t.histogram, config.quantile_bins_per_octave, bound).tolist()
         for q, v in zip(QUANTILES, qs):
             m[f"rollout_is_p{round(q * 100)}"] = math.exp(v) if any_tokens else 0.0
-        m["rollout_is_ratio_fraction_high"] = _div(t["raw_above"], tokens)
-        m["rollout_is_ratio_fraction_low"] = _div(t["raw_below"], tokens)
-        seq_mean = _div(t["is_seq_w"], seqs)
+        m["rollout_is_ratio_fraction_high"] = _div(w.raw_above, tokens)
+        m["rollout_is_ratio_fraction_low"] = _div(w.raw_below, tokens)
+        seq_mean = _div(sw.weight, seqs)
         m["rollout_is_seq_mean"] = seq_mean
-        m["rollout_is_seq_std"] = math.sqrt(max(_div(t["is_seq_w_sq"], seqs) - seq_mean * seq_mean, 0.0))
-        m["rollout_is_seq_min"] = _fin(-t["is_seq_neg_min"])
-        m["rollout_is_seq_max"] = _fin(t["is_seq_max"])
-        m["rollout_is_seq_max_deviation"] = _fin(t["is_seq_max_dev"])
-        m["rollout_is_seq_fraction_high"] = _div(t["is_seq_above"], seqs)
-        m["rollout_is_seq_fraction_low"] = _div(t["is_seq_below"], seqs)
+        m["rollout_is_seq_std"] = math.sqrt(max(_div(sw.weight_sq, seqs) - seq_mean * seq_mean, 0.0))
+        m["rollout_is_seq_min"] = _fin(-ext.sequences.weight_neg_min)
+        m["rollout_is_seq_max"] = _fin(ext.sequences.weight_max)
+        m["rollout_is_seq_max_deviation"] = _fin(ext.sequences.weight_max_dev)
+        m["rollout_is_seq_fraction_high"] = _div(sw.above, seqs)
+        m["rollout_is_seq_fraction_low"] = _div(sw.below, seqs)
         if norm is not None:
             m["rollout_is_batch_norm_factor"] = norm
         if config.is_mode == "mask":
-            m["rollout_is_masked_fraction"] = _div(t["rollout_is_mask_tokens"], tokens)
-            m["rollout_is_seq_masked_fraction"] = _div(t["rollout_is_mask_seqs"], all_seqs)
+            m["rollout_is_masked_fraction"] = _div(t.is_mask_tokens, tokens)
+            m["rollout_is_seq_masked_fraction"] = _div(seq.is_mask_seqs, all_seqs)
     if config.rs:
-        m["rollout_rs_masked_fraction"] = _div(t["rollout_rs_tokens"], tokens)
-        m["rollout_rs_seq_masked_fraction"] = _div(t["rollout_rs_seqs"], all_seqs)
+        m["rollout_rs_masked_fraction"] = _div(seq.rs_tokens, tokens)
+        m["rollout_rs_seq_masked_fraction"] = _div(seq.rs_seqs, all_seqs)
         for c in config.rs:
             name = f"rollout_rs_{c.option}"
-            m[name + "_masked_fraction"] = _div(t[name + "_tokens"], tokens)
-            m[name + "_seq_masked_fraction"] = _div(t[name + "_seqs"], all_seqs)
+            m[name + "_masked_fraction"] = _div(t.rs_tokens(c.option), tokens)
+            m[name + "_seq_masked_fraction"] = _div(seq.rs_criteria[c.option].seqs, all_seqs)
     if config.veto_threshold is not None:
-        m["rollout_is_veto_fraction"] = _div(t["rollout_is_veto_seqs"], all_seqs)
-        m["rollout_is_catastrophic_token_fraction"] = _div(t["veto_tokens"], tokens)
+        m["rollout_is_veto_fraction"] = _div(seq.veto, all_seqs)
+        m["rollout_is_catastrophic_token_fraction"] = _div(tok.veto, tokens)
     return m

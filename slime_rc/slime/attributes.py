@@ -8,7 +8,7 @@ function gets a *copy* of the caller's ``args`` (:func:`with_slime_attributes`) 
 values slime-rc resolved (flags > YAML > preset > defaults, ``slime_rc.config.layers``), so that the function computes
 what the loss uses -- never the ``None`` of a flag that was not given.
 
-The mapping inverts :mod:`slime_rc.config.layers` (slime key -> config field):
+The mapping inverts the knob table (:mod:`slime_rc.config.knobs`: slime key -> config field):
 
 =========================  =============================================================================================
 slime attribute            value
@@ -25,7 +25,7 @@ use_rs                     ``bool(rs)``
 rs_level, rs_upper_bound,  one criterion: its option (the k1 aliases ``token_k1`` / ``seq_sum_k1`` / ``seq_mean_k1`` as
 rs_lower_bound             slime's ``token`` / ``sequence`` / ``geometric``), its upper and lower bound as numbers (lower
                            None for k2/k3).  Several criteria (slime's keys cannot express them; slime's example
-                           refuses them): the comma strings ``slime_rc.config.layers`` parses, ``rs_level="token,seq_max_k2"``,
+                           refuses them): the comma strings ``slime_rc.config.stack`` reads, ``rs_level="token,seq_max_k2"``,
                            ``rs_upper_bound="0.5_2.0,0.01"`` (``lower_upper`` bands), ``rs_lower_bound`` None.
                            No RS: all three None
 rs_veto_threshold          ``veto_threshold`` (slime's example applies the veto only with ``use_rs``)
@@ -47,15 +47,15 @@ import argparse
 import copy
 from typing import Any, Dict
 
+from slime_rc.config.knobs import KNOB_FLAGS
 from slime_rc.config.schema import RolloutCorrectionConfig
+from slime_rc.slime.settings import MIS_KEYS
 
 # the k1 options slime's own level names stand for (same statistic, same aggregation)
 _SLIME_LEVEL = {"token_k1": "token", "seq_sum_k1": "sequence", "seq_mean_k1": "geometric"}
 
-SLIME_ATTRIBUTES = ("use_tis", "use_rs", "tis_level", "tis_mode", "tis_lower_bound", "tis_upper_bound", "rs_level",
-                    "rs_lower_bound", "rs_upper_bound", "rs_veto_threshold", "tis_batch_normalize", "tis_clip",
-                    "tis_clip_low", "get_mismatch_metrics", "use_rollout_logprobs", "calculate_per_token_loss",
-                    "eps_clip", "eps_clip_high", "eps_clip_c")
+# slime's mis keys and the attributes of the setting flags slime defines itself (--tis-clip, --eps-clip, ...)
+SLIME_ATTRIBUTES = tuple(dict.fromkeys(MIS_KEYS + tuple(f.dest for f in KNOB_FLAGS if f.slime_defines)))
 
 
 def _rs_attributes(config: RolloutCorrectionConfig) -> Dict[str, Any]:

@@ -2,7 +2,9 @@
 
 slime sets every key of ``--custom-config-path`` (its YAML) as an attribute of ``args`` after parsing, and our
 parser hook (:func:`slime_rc.add_rollout_correction_arguments`) puts the flags slime lacks on the same attributes.
-So the adapters read one place: ``args.use_tis``, ``args.tis_level``, ... (missing or None = unset).
+So the adapters read one place: ``args.use_tis``, ``args.tis_level``, ... (missing or None = unset).  Which keys
+those are, their ``mis_*`` aliases and the default rules below come from the knob table
+(:mod:`slime_rc.config.knobs`: the knobs with a ``mis`` rule).
 
 Defaults and rules (slime's ``examples/train_infer_mismatch_helper/mis.py`` at 624b824a8):
 
@@ -24,17 +26,20 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-LEVELS = ("token", "sequence", "geometric")
-MODES = ("truncate", "clip", "mask")
+from slime_rc.config._text import did_you_mean
+from slime_rc.config.knobs import ENGINE_KEYS, IS_LEVELS, IS_MODES, KNOB, KNOBS, dest_of
 
-# slime's mis keys, and the older ``mis_*`` spellings of the first ones (slime's earlier mis.yaml).
-BOOL_KEYS = ("use_tis", "use_rs", "tis_batch_normalize")
-CHOICE_KEYS = {"tis_level": LEVELS, "rs_level": LEVELS, "tis_mode": MODES}
-NUMBER_KEYS = ("tis_lower_bound", "tis_upper_bound", "rs_lower_bound", "rs_upper_bound", "rs_veto_threshold")
-MIS_KEYS = BOOL_KEYS + tuple(CHOICE_KEYS) + NUMBER_KEYS
-ALIASES = {"mis_level": "tis_level", "mis_mode": "tis_mode", "mis_lower_bound": "tis_lower_bound",
-           "mis_upper_bound": "tis_upper_bound", "mis_veto_threshold": "rs_veto_threshold",
-           "mis_batch_normalize": "tis_batch_normalize"}
+LEVELS = IS_LEVELS  # slime's example knows the three k1 levels for IS and RS alike
+MODES = IS_MODES
+
+# slime's mis keys (the knobs of slime_rc.config.knobs that slime's example mis.py reads), by how slime reads them,
+# and the older ``mis_*`` spellings of the first ones (slime's earlier mis.yaml).
+MIS_KEYS = tuple(k.key for k in KNOBS if k.mis is not None)
+BOOL_KEYS = tuple(k for k in MIS_KEYS if KNOB[k].boolean)
+# rs_level: slime's example takes the IS levels only; the other RS options go to slime-rc's engine (beyond_slime)
+CHOICE_KEYS = {k: (KNOB[k].choices or LEVELS) for k in MIS_KEYS if KNOB[k].choices or k == "rs_level"}
+NUMBER_KEYS = tuple(k for k in MIS_KEYS if k not in BOOL_KEYS and k not in CHOICE_KEYS)
+ALIASES = {k.mis_alias: k.key for k in KNOBS if k.mis_alias}
 
 DEFECTS = {
     "rs_without_tis": (
@@ -135,10 +140,8 @@ def settings_from_keys(keys: Tuple[Tuple[str, Any], ...]) -> SlimeMisSettings:
             raise ValueError(f"{key}={d[key]!r} must be true or false (a YAML boolean, unquoted).")
     for key, choices in CHOICE_KEYS.items():
         if key in d and d[key] not in choices:
-            import difflib
-            close = difflib.get_close_matches(str(d[key]), choices, n=1)
             raise ValueError(f"{key}={d[key]!r} is not one of {', '.join(choices)} (slime's mis.py levels/modes)."
-                             + (f" Did you mean {close[0]!r}?" if close else ""))
+                             + did_you_mean(d[key], choices))
     num = {k: _number(k, d[k]) for k in NUMBER_KEYS if k in d}
     tis_upper = num.get("tis_upper_bound", 2.0)
     tis_lower = num.get("tis_lower_bound", 1.0 / tis_upper)
@@ -181,10 +184,8 @@ def defects(s: SlimeMisSettings) -> Tuple[str, ...]:
 
 
 # How an unset key is filled (for ``slime-rc config --slime``).
-DEFAULT_RULES = {"use_tis": "false", "use_rs": "false", "tis_level": "token", "tis_mode": "truncate",
-                 "tis_upper_bound": "2.0", "tis_lower_bound": "1 / tis_upper_bound", "rs_level": "tis_level",
-                 "rs_lower_bound": "tis_lower_bound", "rs_upper_bound": "tis_upper_bound",
-                 "rs_veto_threshold": "none", "tis_batch_normalize": "false"}
+DEFAULT_RULES = {k.key: k.mis for k in KNOBS if k.mis is not None}
+# slime's key -> the attribute of SlimeMisSettings that holds its resolved value
 FIELD_OF_KEY = {"use_tis": "use_tis", "use_rs": "use_rs", "tis_level": "tis_level", "tis_mode": "tis_mode",
                 "tis_upper_bound": "tis_upper", "tis_lower_bound": "tis_lower", "rs_level": "rs_level",
                 "rs_lower_bound": "rs_lower", "rs_upper_bound": "rs_upper", "rs_veto_threshold": "veto",
@@ -204,11 +205,8 @@ def explain(args: Any) -> Tuple[SlimeMisSettings, Tuple[Tuple[str, Any, str], ..
 def engine_keys(args) -> dict:
     """slime-rc's own engine settings ``args`` carries (its flags' attributes or YAML keys, see docs/usage.md):
     setting -> value.  slime's example has no such settings."""
-    from slime_rc.config.arguments import FLAGS
-    from slime_rc.config.layers import ENGINE_KEYS
-
-    names = {key: key for key in ENGINE_KEYS}
-    names.update({flag[2:].replace("-", "_"): key for flag, (key, _, _) in FLAGS.items() if key in ENGINE_KEYS})
+    names = {**{key: key for key in ENGINE_KEYS},  # the YAML key, and the attribute of its flag
+             **{dest_of(KNOB[key].flag): key for key in ENGINE_KEYS if KNOB[key].flag}}
     return {key: get(args, name) for name, key in names.items() if get(args, name) is not None}
 
 

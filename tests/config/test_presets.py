@@ -15,7 +15,7 @@ import pytest
 
 from slime_rc import PRESETS, RS_OPTIONS, RejectionCriterion, RolloutCorrectionConfig
 from slime_rc.config.arguments import add_rollout_correction_arguments, config_from_args
-from slime_rc.config.layers import SETTINGS
+from slime_rc.config.knobs import SETTINGS
 
 from tests.checks import raises_mentioning as _raises
 

@@ -1,0 +1,107 @@
+"""Text helpers every configuration module shares: did-you-mean hints, near-misses, numbers and thresholds.
+
+The bottom of :mod:`slime_rc.config` (it imports nothing of ours), so that the knob table, the rejection criteria,
+the presets and the config record all give the same hint and the same message for the same mistake.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from typing import Any, Iterable, Optional, Tuple, Union
+
+# A threshold as a user writes it: a number (an upper bound), or "lower_upper" (a band, e.g. "0.5_2.0").
+Threshold = Union[float, int, str]
+
+
+def did_you_mean(name: Any, choices: Iterable[str]) -> str:
+    """``" Did you mean 'x'?"`` for the choice closest to ``name``, or ``""`` when none is close."""
+    match = difflib.get_close_matches(str(name), list(choices), n=1, cutoff=0.5)
+    return f" Did you mean {match[0]!r}?" if match else ""
+
+
+def _edit_distance(a: str, b: str) -> int:
+    """Optimal-string-alignment distance: insertions, deletions, substitutions and swaps of neighbours."""
+    prev2, prev = None, list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        cur = [i] + [0] * len(b)
+        for j, cb in enumerate(b, 1):
+            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb))
+            if i > 1 and j > 1 and ca == b[j - 2] and a[i - 2] == cb:
+                cur[j] = min(cur[j], prev2[j - 2] + 1)
+        prev2, prev = prev, cur
+    return prev[-1]
+
+
+def near_miss(key: str, known: Iterable[str]) -> Optional[str]:
+    """The key of ``known`` that ``key`` is probably a typo of, or ``None``.
+
+    ``None`` when ``key`` is itself in ``known`` or is not close to any of them.  Close means a small edit
+    distance (insertions, deletions, substitutions, swapped neighbours; case and ``-`` for ``_`` ignored):
+    none for keys of up to 4 characters (only ``RS`` -> ``rs``), at most 1 edit up to 11 characters
+    (``use_tiss`` -> ``use_tis``, ``tis_levle`` -> ``tis_level``), at most 2 beyond (``rs_veto_treshold`` ->
+    ``rs_veto_threshold``, ``tis_uper_bound`` -> ``tis_upper_bound``).  Ties go to the first closest key in
+    ``known``'s order.
+
+    The cutoff is tight on purpose: slime copies ONE ``--custom-config-path`` YAML onto ``args`` for every
+    plugin, so a YAML read by slime-rc also holds slime's, Megatron-LM's and other plugins' keys
+    (``use_kl_loss``, ``kl_coef``, ``eps_clip``, ``use_opsm``, ``loss_type``, ``advantage_estimator``, ...),
+    which must be ignored, not flagged.  tests/config/test_arguments_in_slime.py checks every arg name of slime's
+    parser (and Megatron-LM's ``test_mode``, 2 edits from ``tis_mode``: why 9-11 characters allow only 1 edit).
+    """
+    known = list(known)
+    if key in known:
+        return None
+    norm = key.lower().replace("-", "_")
+    limit = 0 if len(norm) <= 4 else 1 if len(norm) <= 11 else 2
+    best, best_d = None, limit + 1
+    for k in known:
+        cand = k.lower().replace("-", "_")
+        if abs(len(cand) - len(norm)) >= best_d:
+            continue
+        d = _edit_distance(norm, cand)
+        if d < best_d:
+            best, best_d = k, d
+    return best
+
+
+def parse_number(what: str, value: Any) -> Any:
+    """A string as a float, refusing what Python's ``float`` would misread (``"2_0"`` is 20.0 there); other
+    values are returned as they are (validated where they are used).  ``what`` names the setting in the message."""
+    if not isinstance(value, str):
+        return value
+    try:
+        if "_" in value:
+            raise ValueError
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{what}={value!r} is not a number") from None
+
+
+def positive_finite(name: str, value: Any, hint: str) -> float:
+    """``value`` as a finite float > 0; else ``ValueError`` naming ``name`` and the value, with ``hint``."""
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}={value!r} is not a number; {hint}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}={value!r} must be a finite number > 0; {hint}")
+    return value
+
+
+def not_a_threshold(what: str, value: Any) -> str:
+    """The one message for a threshold that cannot be read (a flag's comma list included)."""
+    return (f"{what}={value!r} is not a threshold: give a number (2.0) or 'lower_upper' with one underscore "
+            f"(e.g. '0.5_2.0'; a comma list gives one per rs_level option)")
+
+
+def split_threshold(what: str, threshold: Threshold) -> Tuple[Threshold, Optional[float]]:
+    """``2.0`` -> (upper=2.0, lower=None); ``"0.5_2.0"`` -> (upper=2.0, lower=0.5).  ``what`` names the setting
+    in the error message (:func:`not_a_threshold`)."""
+    try:
+        if isinstance(threshold, str) and "_" in threshold:
+            lo, _, hi = threshold.strip().partition("_")
+            return parse_number(what, hi), parse_number(what, lo)
+        return parse_number(what, threshold), None
+    except ValueError:
+        raise ValueError(not_a_threshold(what, threshold)) from None

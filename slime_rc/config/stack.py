@@ -1,0 +1,236 @@
+"""Layers of settings, stacked by precedence, and the config they build.
+
+Every source (flags, a YAML file, a preset, a dictionary) is first translated into the same flat *settings* (the
+keys of :data:`slime_rc.config.knobs.SETTINGS`) as one :class:`Layer`.  Layers are stacked lowest precedence
+first — default < preset < YAML < flag (:data:`KINDS`; inside slime, which copies the YAML onto ``args`` after
+parsing: default < preset < flag < YAML, :data:`SLIME_KINDS`) — and a :class:`Stack` merges them key by key,
+remembers which layer set each key, refuses settings that a higher layer made dead (``--tis-level`` while IS is off)
+and builds the config with the class it is given (:meth:`Stack.build`): this module sits below the config record
+(:mod:`slime_rc.config.schema` builds ``RolloutCorrectionConfig.from_dict`` / ``.preset`` with it) and below
+:func:`slime_rc.config.layers.resolve`, which adds who set each field and the notes a user should see.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Dict, List, Mapping, Tuple
+
+from slime_rc.config._text import did_you_mean
+from slime_rc.config.knobs import (BOOLEAN_SPELLINGS, FIELD_SETTINGS, KNOB, KNOBS, PLAIN, SHARED_SPELLINGS,
+                                   SPELLINGS, VERL)
+from slime_rc.config.presets import PRESETS
+from slime_rc.config.rejection import parse_rejection_criteria
+
+# Precedence of the layer kinds, lowest first: this project's launches (slime-rc train, Megatron's
+# extra_args_provider, plain argparse) ...
+KINDS = ("default", "preset", "yaml", "flag", "dict")
+# ... and slime's, where the --custom-config-path YAML is copied onto args AFTER parsing, so it beats the flags.
+SLIME_KINDS = ("default", "preset", "flag", "yaml", "dict")
+
+
+@dataclass
+class Layer:
+    """One source of settings: ``values`` (setting -> value) and, per setting, the user-facing name it was given
+    under (``--tis-upper-bound``, ``rollout_is_threshold``, ...) for messages and ``slime-rc config``."""
+
+    kind: str
+    where: str = ""
+    values: Dict[str, Any] = field(default_factory=dict)
+    names: Dict[str, str] = field(default_factory=dict)
+    raw: Dict[str, Any] = field(default_factory=dict)  # setting -> the value as the user wrote it
+    ignored: List[str] = field(default_factory=list)  # keys of a slime YAML that are not slime-rc's
+
+    @property
+    def rank(self) -> int:
+        return KINDS.index(self.kind)
+
+    def label(self, key: str) -> str:
+        name = self.names.get(key, key)
+        if self.kind == "flag":
+            return name
+        if self.kind == "yaml":
+            return f"{name} in {self.where}"
+        if self.kind == "preset":
+            return f"preset {self.where}"
+        return name
+
+    def given(self, key: str) -> str:
+        """``--tis-level='token'`` / ``rollout_is='token' in f.yaml``: what the user wrote, for messages."""
+        name = self.names.get(key, key)
+        text = f"{name}={self.raw.get(key, self.values.get(key))!r}"
+        return {"yaml": f"{text} in {self.where}", "preset": f"{text} of preset {self.where}"}.get(self.kind, text)
+
+    @classmethod
+    def from_mapping(cls, d: Mapping[str, Any], kind: str = "dict", where: str = "",
+                     name: Callable[[str], str] = lambda k: k) -> "Layer":
+        """Translate one mapping in any accepted spelling (:data:`slime_rc.config.knobs.SPELLINGS`).  ``name``
+        turns an input key into what the user wrote (a flag spelling for flags).  Raises ``ValueError`` on unknown
+        keys and on two spellings of one setting that disagree or come from different dialects."""
+        layer = cls(kind, where)
+        dialect_of: Dict[str, Tuple[str, str]] = {}
+        for key, value in d.items():
+            if key not in SPELLINGS:
+                raise ValueError(
+                    f"unknown rollout-correction key {name(key)!r}{' in ' + where if where else ''}."
+                    + did_you_mean(key, SPELLINGS) + f" Valid keys: {', '.join(sorted(SPELLINGS))}.")
+            dialect, translate = SPELLINGS[key]
+            if key in BOOLEAN_SPELLINGS and not (isinstance(value, bool) or value is None):
+                # "false" (a string) would be truthy and switch the feature on
+                raise ValueError(f"{name(key)}={value!r}{' in ' + where if where else ''} must be true or false.")
+            for setting, v in translate(value).items():
+                if setting in layer.values:
+                    other, other_dialect = dialect_of[setting]
+                    if layer.values[setting] != v:
+                        raise ValueError(f"both {name(other)!r} and {name(key)!r} are set "
+                                         f"({d[other]!r} vs {value!r}); keep one.")
+                    if dialect != other_dialect and not {key, other} & SHARED_SPELLINGS:
+                        raise ValueError(f"{name(other)!r} and {name(key)!r} both set the same thing in two "
+                                         f"spellings; use one spelling.")
+                layer.values[setting] = v
+                layer.names[setting] = name(key)
+                layer.raw[setting] = value
+                dialect_of[setting] = (key, dialect)
+        return layer
+
+
+def preset_layer(name: str, **overrides: Any) -> Layer:
+    """The settings of preset ``name`` (keyword overrides for its thresholds) as a layer."""
+    if name not in PRESETS:
+        raise ValueError(f"rollout-correction preset {name!r} does not exist." + did_you_mean(name, PRESETS)
+                         + f" Presets: {', '.join(PRESETS)}.")
+    try:
+        values = PRESETS[name](**overrides)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"preset {name!r}: {e}") from None
+    return Layer.from_mapping(values, kind="preset", where=name)
+
+
+# the parts of the rejection criteria written as text (the rs knob holds criteria as objects)
+_RS_PARTS = tuple(k.key for k in KNOBS if k.field == "rs" and k.needs == "use_rs")
+
+
+class Stack:
+    """The merged settings and, per setting, the layer that set it; ``order``: the layer kinds, lowest first."""
+
+    def __init__(self, layers: List[Layer], order: Tuple[str, ...] = KINDS):
+        self.order = order
+        self.values: Dict[str, Any] = {}
+        self.owner: Dict[str, Layer] = {}
+        for layer in sorted(layers, key=self.layer_rank):
+            for key, value in layer.values.items():
+                self.values[key], self.owner[key] = value, layer
+
+    def layer_rank(self, layer: Layer) -> int:
+        return self.order.index(layer.kind)
+
+    def get(self, key: str) -> Any:
+        return self.values.get(key)
+
+    def rank(self, key: str) -> int:
+        return self.layer_rank(self.owner[key]) if key in self.owner else 0
+
+    def given(self, key: str) -> str:
+        return self.owner[key].given(key)
+
+    # ---- building the config ----------------------------------------------------------------------------------
+    def build(self, config_class: type) -> Any:
+        """The validated ``config_class`` (:class:`~slime_rc.RolloutCorrectionConfig`) of the merged settings;
+        ``ValueError`` naming the setting (and the layer that set it) on a mistake."""
+        self._refuse_dead_settings()
+        try:  # a mistake of the settings (_config_kwargs) or of the config's values names who set it
+            config = config_class(**self._config_kwargs())  # an unset mode is derived: decoupled iff corrects
+        except ValueError as e:
+            raise ValueError(self.where(str(e))) from None
+        wanted = self.get("use_rollout_correction")
+        if wanted is not None and bool(wanted) != config.corrects:
+            raise ValueError(
+                f"{self.given('use_rollout_correction')} but "
+                + (f"{config.correction_summary()} is configured" if config.corrects else "nothing is configured "
+                   "to correct")
+                + ": " + ("add IS (use_tis) and/or RS (use_rs), or a preset, or drop it." if wanted else
+                          "turn IS/RS/veto off (use_tis / use_rs false, no veto), or drop it."))
+        return config
+
+    def _refuse_dead_settings(self) -> None:
+        """A setting is dead when its switch is off and it was set above the layer that turned the switch off.  On
+        one command line a setting beside its own switch turned off is a contradiction too (in a file it is a
+        switch toggled off with its settings left in place)."""
+        for knob in KNOBS:
+            switch = knob.needs
+            if switch is None or knob.key not in self.values or self.get(switch):
+                continue
+            same_line = self.owner[knob.key].kind == "flag" and self.rank(switch) == self.rank(knob.key)
+            if self.rank(knob.key) > self.rank(switch) or same_line:
+                what, verb = {"use_tis": ("IS weights", "have"), "use_rs": ("rejection sampling", "has")}[switch]
+                how = f"it is off ({self.given(switch)})" if switch in self.owner else "nothing enables it"
+                raise ValueError(
+                    f"{self.given(knob.key)} given without {switch}: {what} {verb} no effect because {how}. "
+                    f"Add {_switch_name(self.owner[knob.key], switch)} to enable {what}, or drop it.")
+
+    def _config_kwargs(self) -> Dict[str, Any]:
+        kwargs: Dict[str, Any] = {k.field: self.get(k.key) for k in PLAIN if self.get(k.key) is not None}
+        if self.get("use_tis"):
+            kwargs["is_level"] = self.get("tis_level") or KNOB["tis_level"].default
+        lower = kwargs.pop("is_lower_bound", None)
+        if lower is not None and lower == 0:
+            # slime's --tis-clip-low 0 means "no lower clip": exactly truncate mode
+            if (self.get("tis_mode") or KNOB["tis_mode"].default) != "truncate":
+                raise ValueError(f"{self.given('tis_lower_bound')} means no lower bound, which only "
+                                 f"is_mode='truncate' has; give a positive lower bound for mode "
+                                 f"{self.get('tis_mode')!r}, or leave it unset (1/upper).")
+        elif lower is not None:
+            kwargs["is_lower_bound"] = lower
+        if self.get("use_rs"):
+            kwargs["rs"] = self._rejection()
+        if self.get("use_rollout_logprobs"):
+            kwargs["mode"] = "bypass"
+        return kwargs
+
+    def _rejection(self) -> tuple:
+        """The RS criteria: as given (the ``rs`` knob, objects), or parsed once from the text settings."""
+        parts = [k for k in _RS_PARTS if k in self.values]
+        if "rs" in self.values:
+            above = [k for k in parts if self.rank(k) > self.rank("rs")]
+            if above:
+                raise ValueError(
+                    f"{self.given(above[0])} would change the rejection criteria given as objects "
+                    f"({self.owner['rs'].label('rs')}); give the rejection one way: the criteria (rs) or "
+                    f"rs_level / rs_upper_bound / rs_lower_bound.")
+            return self.get("rs")
+        rs_lower = self.get("rs_lower_bound")
+        if "_" in str(self.get("rs_upper_bound")) and self.rank("rs_lower_bound") < self.rank("rs_upper_bound"):
+            rs_lower = None  # a 'lower_upper' band given above replaces a lower bound from below
+        return parse_rejection_criteria(self.get("rs_level") or KNOB["rs_level"].default, self.get("rs_upper_bound"),
+                                        rs_lower)
+
+    # ---- telling the user ------------------------------------------------------------------------------------
+    def sources(self, config: Any) -> Dict[str, str]:
+        """Config field -> the user-facing name of the highest layer's setting it was built from."""
+        sources = {}
+        for f in fields(config):
+            keys = [k for k in FIELD_SETTINGS.get(f.name, ()) if k in self.owner]
+            top = max(reversed(keys), key=self.rank) if keys else None  # ties: the detail (tis_level) over its switch
+            sources[f.name] = self.owner[top].label(top) if top else "default"
+        if config.mode != "bypass" and "use_rollout_correction" not in self.owner:
+            # decoupled vs standard follows from whether anything corrects
+            sources["mode"] = "derived: decoupled iff IS/RS/veto is set" + (
+                f" (not bypass: {sources['mode']})" if sources["mode"] != "default" else "")
+        return sources
+
+    def where(self, message: str) -> str:
+        """Append which user-facing setting produced each config field a validation message names."""
+        hits = []
+        for fname, keys in FIELD_SETTINGS.items():
+            hits += [self.owner[k].label(k) for k in keys
+                     if k in self.owner and (f"{fname}=" in message or f"{k}=" in message)]
+        hits = list(dict.fromkeys(hits))
+        return message + (f" (set by {', '.join(hits)})" if hits else "")
+
+
+def _switch_name(layer: Layer, switch: str) -> str:
+    """How to turn ``switch`` on in the spelling the user wrote ``layer`` in."""
+    if layer.kind == "flag":
+        return KNOB[switch].flag
+    if any(SPELLINGS.get(name, ("",))[0] == VERL for name in layer.names.values()):
+        return {"use_tis": "rollout_is: token (or sequence)", "use_rs": "rollout_rs: <option>"}[switch]
+    return f"{switch}: true"

@@ -1,0 +1,129 @@
+"""Stage 1 of the engine: per-token log-ratio, validity and token-level rejections (no communication).
+
+For each token ``t``: ``log r_t = log pi_train - log pi_rollout`` in float32; the token is *valid* if it is a loss
+token and ``log r_t`` is finite.  Invalid tokens get ``log r_t = 0`` (so ``r_t = 1``) and are left out of every
+count; sums over all N tokens stay finite and exact.  The token-level rules flag valid tokens: veto (unclamped
+``r_t < veto_threshold``), each token RS criterion (its statistic outside its bounds) and token-level IS mask mode
+(``r_t`` outside ``[is_lower, is_upper_bound]``).  Also here: the non-finite error message, raised after
+collective 2 so that every rank raises together.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional
+
+import torch
+
+from slime_rc.config.schema import RolloutCorrectionConfig
+from slime_rc.correction.packed import first_nonfinite
+from slime_rc.correction.records import FlaggedTokens, PackedBatch, TokenStats
+from slime_rc.correction.weights import bounded_weight, outside
+
+
+def k_statistic(kind: str, clamped_log_ratio: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
+    """Per-token divergence ``[N]``: k2 = (log r)^2 / 2, k3 = r - 1 - log r (both >= 0), on the clamped log r."""
+    if kind == "k2":
+        return 0.5 * clamped_log_ratio * clamped_log_ratio
+    return ratio - 1.0 - clamped_log_ratio
+
+
+def _flagged(flags: torch.Tensor) -> FlaggedTokens:
+    return FlaggedTokens(flags, int(flags.sum()))
+
+
+def _union(flags: List[torch.Tensor]) -> FlaggedTokens:
+    out = flags[0]
+    for f in flags[1:]:
+        out = out | f
+    return _flagged(out)
+
+
+def token_statistics(batch: PackedBatch, config: RolloutCorrectionConfig) -> TokenStats:
+    """Stage 1 on this rank's ``N`` tokens (see :class:`TokenStats` for every field's shape and meaning)."""
+    train, rollout, mask = batch.train, batch.rollout, batch.mask
+    bound = config.safety_bound
+
+    lr_raw = train - rollout
+    valid = mask & (lr_raw.abs() < math.inf)  # NaN or inf on either side makes log r non-finite
+    n_loss_tokens = mask.sum()
+    n_valid = valid.sum()
+    n_nonfinite = int(n_loss_tokens - n_valid)
+    n_invalid = batch.n_tokens - int(n_valid)
+    if n_invalid:
+        lr = torch.where(valid, lr_raw, 0.0)  # zeros keep every sum below finite and exact
+        rollout_v = torch.where(valid, rollout, 0.0)
+    else:
+        lr, rollout_v = lr_raw, rollout
+    lr_c = lr.clamp(-bound, bound)
+    ratio = torch.exp(lr_c)  # safety-bounded per-token ratio; exactly 1 on invalid tokens
+    lr64 = lr.double()  # one float64 copy feeds every sum (sum(dtype=...) would copy each time)
+
+    veto = None
+    if config.veto_threshold is not None:
+        veto = _flagged(valid & (lr < math.log(config.veto_threshold)))  # unclamped ratio, before the safety bound
+
+    k_cache: Dict[str, torch.Tensor] = {}
+
+    def k_of(kind: str) -> torch.Tensor:  # each divergence is computed once, for every criterion that needs it
+        if kind not in k_cache:
+            k_cache[kind] = torch.where(valid, k_statistic(kind, lr_c, ratio), 0.0)
+        return k_cache[kind]
+
+    # token-level rejection: RS token criteria and token-level IS mask mode
+    is_token = config.is_level == "token"
+    rs_flags = []
+    for c in config.rs:
+        if c.granularity == "token":
+            stat = lr if c.statistic == "k1" else k_of(c.statistic)
+            rs_flags.append((c.option, valid & outside(stat, *c.log_bounds)))
+    mask_flags = []
+    if is_token and config.is_mode == "mask":
+        mask_flags.append(valid & outside(lr, math.log(config.is_lower), math.log(config.is_upper_bound)))
+
+    rs_token: Dict[str, FlaggedTokens] = {}
+    for option, flags in rs_flags:
+        rs_token[option] = _flagged(flags)
+    is_mask = _flagged(mask_flags[0]) if mask_flags else None
+    rs_rejected = _union([f for _, f in rs_flags]) if rs_flags else None
+    rejected: Optional[FlaggedTokens] = None
+    keep = valid
+    if rs_flags or mask_flags:
+        rejected = _union([f for _, f in rs_flags] + mask_flags)
+        keep = valid & ~rejected.flags
+
+    # per-token divergences of the sequence RS criteria that need them (aggregated per sequence in stage 2)
+    k_sum_terms: Dict[str, torch.Tensor] = {}
+    k_max_terms: Dict[str, torch.Tensor] = {}
+    for c in config.rs:
+        if c.granularity == "sequence" and c.statistic != "k1":
+            if c.aggregate == "max":
+                k_max_terms[c.option] = torch.where(valid, k_of(c.statistic), -math.inf)
+            else:
+                k_sum_terms[c.option] = k_of(c.statistic)
+
+    return TokenStats(
+        valid=valid, log_ratio=lr, log_ratio64=lr64, clamped_log_ratio=lr_c, ratio=ratio, rollout_log_probs=rollout_v,
+        n_loss_tokens=n_loss_tokens, n_valid=n_valid, n_invalid=n_invalid, n_nonfinite=n_nonfinite,
+        nonfinite=(mask & ~valid) if n_nonfinite else None,
+        veto=veto, rs_token=rs_token, is_mask=is_mask, rs_rejected=rs_rejected, rejected=rejected, keep=keep,
+        # computed here (not in stage 4) because collective 1 sums it per sequence for the sequence-weight metrics
+        is_weight=bounded_weight(ratio, config) if is_token else None,
+        k_sum_terms=k_sum_terms, k_max_terms=k_max_terms,
+    )
+
+
+def raise_nonfinite(batch: PackedBatch, tokens: TokenStats, nonfinite_seqs: torch.Tensor) -> None:
+    """The ``on_nonfinite='error'`` failure, raised once collective 2 has shown a non-finite loss token somewhere in
+    the batch group: every rank sees the global count, so all of them raise together.  ``nonfinite_seqs``: ``[B]``
+    bool, sequences with a non-finite token on any rank of their sequence group."""
+    where = first_nonfinite(batch.train, batch.rollout, tokens.nonfinite, batch.cu_seqlens) \
+        if tokens.n_nonfinite else None
+    if where is None:
+        first = int(torch.nonzero(nonfinite_seqs)[0, 0]) if bool(nonfinite_seqs.any()) else None
+        where = (f"sample {first} (its non-finite tokens are on another rank)" if first is not None
+                 else "another rank's batch")
+    raise ValueError(
+        f"non-finite log-probs on loss tokens: {where}. Fix the log-prob source (SGLang serializes NaN/inf "
+        f"as null), or set on_nonfinite='reject' to drop such sequences and count them in the "
+        f"'nonfinite_seq_fraction' metric.")

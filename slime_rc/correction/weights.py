@@ -1,0 +1,133 @@
+"""IS weights and the keep mask: stages 3 (sequence decisions), 4 (per-token keep mask and weights) and 5's batch
+normalization.  This is the file that answers "where is the IS weight computed?".
+
+With ``r_t = pi_train / pi_rollout`` per token, ``S = sum_t log r_t`` over a sequence's ``T`` valid tokens and
+``b`` the safety bound (default 20):
+
+* token level:      ``w_t = bound(exp(clamp(log r_t, -b, b)))``  (``bounded_weight``, applied in stage 1 so that
+  collective 1 can sum it per sequence);
+* sequence level:   ``w_i = bound(exp(clamp(S, -b, b)))``, spread over the sequence's tokens;
+* geometric level:  ``w_i = bound(exp(clamp(S / T, -b, b)))``, spread likewise;
+
+where ``bound`` is the IS mode: ``truncate`` ``min(w, upper)``, ``clip`` ``clamp(w, lower, upper)``, ``mask``
+leaves ``w`` as it is and rejects the tokens (token level) or sequences whose raw ratio lies outside
+``[lower, upper]`` instead.  A sequence is dropped whole for a non-finite token (``on_nonfinite='reject'``), veto,
+a sequence RS criterion or sequence mask mode; a token is kept if it is valid, no token-level rule rejects it and
+its sequence is not dropped.  The weights the loss sees are ``w * keep``, divided by the batch's mean kept weight
+under ``is_batch_normalize``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+
+from slime_rc.config.schema import RolloutCorrectionConfig
+from slime_rc.correction.packed import broadcast_to_tokens
+from slime_rc.correction.records import BatchTotals, PackedBatch, SequenceDecisions, SequenceStats, TokenStats, \
+    TokenWeights
+
+
+def outside(stat: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
+    """``stat < lo or stat > hi`` (bool, same shape): the rejection test of RS criteria and IS mask mode, with
+    bounds in the statistic's own space (log-ratio for ratio bounds); ``lo = -inf`` tests the upper bound only."""
+    if lo == -math.inf:
+        return stat > hi
+    return (stat < lo) | (stat > hi)
+
+
+def bounded_weight(ratio: torch.Tensor, config: RolloutCorrectionConfig) -> torch.Tensor:
+    """The IS mode applied to safety-bounded ratios (any shape): ``truncate`` ``min(r, is_upper_bound)``, ``clip``
+    ``clamp(r, is_lower, is_upper_bound)``; ``mask`` returns ``r`` unchanged (mask mode rejects rather than bounds)."""
+    if config.is_mode == "truncate":
+        return ratio.clamp(max=config.is_upper_bound)
+    if config.is_mode == "clip":
+        return ratio.clamp(config.is_lower, config.is_upper_bound)
+    return ratio
+
+
+# ---- 3. sequence-level decisions ---------------------------------------------------------------------------------
+def sequence_decisions(seqs: SequenceStats, config: RolloutCorrectionConfig) -> SequenceDecisions:
+    """Stage 3: per-sequence IS weights and rejections from the global per-sequence statistics (all ``[B]``)."""
+    sums, has_tokens, n_safe = seqs.sums, seqs.has_tokens, seqs.valid_tokens_min1
+    bound = config.safety_bound
+
+    nonfinite = sums.nonfinite_tokens > 0
+    drop = nonfinite.clone() if config.on_nonfinite == "reject" else torch.zeros_like(nonfinite)
+    vetoed = None
+    if sums.veto_tokens is not None:
+        vetoed = sums.veto_tokens > 0
+        drop |= vetoed
+
+    rs_flags = {}
+    rs_dropped = torch.zeros_like(drop)
+    rs_any = torch.zeros_like(drop)
+    for c in config.rs:
+        if c.granularity == "token":
+            flags = sums.rs_token_rejections[c.option] > 0  # sequences that lost at least one token to it
+        else:
+            if c.statistic == "k1":
+                stat = sums.log_ratio if c.aggregate == "sum" else seqs.log_ratio_mean
+            elif c.aggregate == "max":
+                stat = seqs.k_maxes[c.option]
+            else:
+                stat = sums.k_sums[c.option] if c.aggregate == "sum" else sums.k_sums[c.option] / n_safe
+            flags = has_tokens & outside(stat, *c.log_bounds)
+            rs_dropped |= flags
+        rs_flags[c.option] = flags
+        rs_any |= flags
+    if config.rs:
+        drop |= rs_dropped
+
+    is_mask = raw = w_seq = w_report = None
+    if config.is_level in ("sequence", "geometric"):
+        raw = sums.log_ratio if config.is_level == "sequence" else seqs.log_ratio_mean
+        w_seq = w_report = bounded_weight(torch.exp(raw.clamp(-bound, bound)), config)
+        if config.is_mode == "mask":
+            is_mask = has_tokens & outside(raw, math.log(config.is_lower), math.log(config.is_upper_bound))
+            drop |= is_mask
+    elif config.is_level == "token":
+        raw = seqs.log_ratio_mean  # the raw counterpart of the mean token weight: the geometric-mean ratio
+        w_report = sums.is_weight / n_safe
+        if config.is_mode == "mask":
+            is_mask = sums.is_mask_tokens > 0
+
+    kept_tokens = sums.valid_tokens - sums.token_rejected if sums.token_rejected is not None else sums.valid_tokens
+    kept = has_tokens & ~drop & (kept_tokens > 0)
+    return SequenceDecisions(nonfinite=nonfinite, vetoed=vetoed, rs_flags=rs_flags, rs_dropped=rs_dropped,
+                             rs_any=rs_any, is_mask=is_mask, raw_log_ratio=raw, is_weight=w_seq,
+                             sequence_weight=w_report, drop=drop, kept=kept)
+
+
+# ---- 4. per-token keep mask and weights ----------------------------------------------------------------------------
+def token_weights(batch: PackedBatch, tokens: TokenStats, decisions: SequenceDecisions) -> TokenWeights:
+    """Stage 4: ``keep = token keep & sequence not dropped`` and ``weights = w * keep`` (``[N]``)."""
+    keep = tokens.keep
+    if bool(decisions.drop.any()):  # most batches drop no sequence: skip the broadcast then
+        keep = keep & broadcast_to_tokens(~decisions.drop, batch.lengths, batch.n_tokens)
+    keep_f = keep.float()
+    weights = None
+    if tokens.is_weight is not None:
+        weights = tokens.is_weight * keep_f
+    elif decisions.is_weight is not None:
+        weights = broadcast_to_tokens(decisions.is_weight.float(), batch.lengths, batch.n_tokens) * keep_f
+    return TokenWeights(keep=keep, keep_f=keep_f, weights=weights)
+
+
+# ---- 5. batch normalization ------------------------------------------------------------------------------------
+def batch_normalize(kept: TokenWeights, totals: BatchTotals,
+                    config: RolloutCorrectionConfig) -> Tuple[Optional[torch.Tensor], Optional[float]]:
+    """``(weights / norm, norm)`` with ``norm`` the global mean kept weight (mean over kept tokens at token level,
+    over kept sequences at sequence/geometric level); ``(weights, None)`` when batch normalization is off."""
+    if not (config.is_enabled and config.is_batch_normalize):
+        return kept.weights, None
+    if config.is_level == "token":
+        denom_w, denom_n = totals.tokens.weights.kept_sum, totals.tokens.kept
+    else:
+        denom_w, denom_n = totals.seqs.weights.kept_sum, totals.seqs.kept
+    mean_w = denom_w / denom_n if denom_n > 0 else 0.0
+    # nothing kept (or weights all zero): leave weights as they are rather than divide by zero
+    norm = mean_w if mean_w > 0 else 1.0
+    return kept.weights / norm, norm
