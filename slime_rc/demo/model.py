@@ -427,9 +427,7 @@ def shard_micro_batch(mb: dict, cp_size: int = 1, cp_rank: int = 0, *, stream_mu
     out["position_ids"] = pos
     out["targets"] = torch.where(has_target, tokens[(src + 1).clamp(max=max(total - 1, 0))], zeros) if total else zeros
     for k, v in fields.items():
-        picked = v[src] if total else v.new_zeros((0,) + tuple(v.shape[1:]))
-        mask = valid.view(-1, *([1] * (v.dim() - 1)))
-        out[k] = torch.where(mask, picked, torch.zeros_like(picked))
+        out[k] = _take(v, gidx)
     local_lens = torch.bincount(seq, minlength=len(lengths)) if lengths else torch.zeros(0, dtype=torch.int64)
     out["cu_seqlens"] = torch.cat([torch.zeros(1, dtype=torch.int64), local_lens.cumsum(0)])
     padding = stream_padding(pos.numel(), stream_multiple, cp_size)
@@ -450,6 +448,24 @@ def shard_micro_batch(mb: dict, cp_size: int = 1, cp_rank: int = 0, *, stream_mu
     out["global_index"] = gidx
     out["cp_size"], out["cp_rank"] = cp_size, cp_rank
     return out
+
+
+def _take(values: torch.Tensor, global_index: torch.Tensor) -> torch.Tensor:
+    """``values[global_index]`` (a per-token field ``[T, ...]`` of the unsharded micro-batch), 0 where the index is
+    -1 (padding)."""
+    valid = global_index >= 0
+    picked = (values[global_index.clamp(min=0)] if values.shape[0]
+              else values.new_zeros((0,) + tuple(values.shape[1:])))
+    mask = valid.view(-1, *([1] * (values.dim() - 1)))
+    return torch.where(mask, picked, torch.zeros_like(picked))
+
+
+def shard_field(local_mb: dict, values: torch.Tensor) -> torch.Tensor:
+    """A per-token field of the micro-batch ``local_mb`` was sharded from (``[T, ...]``, its packed order) at
+    ``local_mb``'s positions, exactly as :func:`shard_micro_batch` shards the fields it is given (0 on padding).
+    For a field known only after sharding: the trainer's advantages wait for the pre-step correction of the local
+    micro-batches (``slime_rc.demo.train.loop``)."""
+    return _take(values, local_mb["global_index"])
 
 
 def model_inputs(local_mb: dict):

@@ -1,8 +1,10 @@
-"""Per-sequence loop reference of :func:`slime_rc.compute_rollout_correction`.
+"""Per-sequence loop reference of :func:`slime_rc.compute_rollout_correction` -- a testing helper, shared by the
+tests (``tests/correction/test_engine.py``) and the benchmarks (``benchmarks/bench_correction.py``), which import it
+from the package so that neither depends on the other.  Not used by the library itself.
 
 Written the way slime's ``examples/train_infer_mismatch_helper/mis.py`` computes rollout correction: a Python
-``for`` loop over samples, one 1-D fp32 tensor per sample, masked means.  It shares no code with the engine
-(only the config dataclass and the table of rejection options are imported), so the tests can compare the two.
+``for`` loop over samples, one 1-D fp32 tensor per sample, masked means.  It shares no code with the correction
+engine (only the config dataclass and the table of rejection options are imported), so the tests can compare the two.
 
 Conventions (from ``slime_rc/correction/metrics.py`` and the spec README):
 

@@ -2,8 +2,8 @@
 ``slime_rc.demo.model.build_model`` builds, fed by weight syncs from the trainer, that samples responses and
 reports SGLang-style rollout log-probs -- with knobs that create a real, controllable train/rollout mismatch.
 
-No megatron, no ``torch.distributed``: the engine only needs ``full_parameters(model)`` (``{global parameter name:
-full unsharded tensor}``) and the :class:`~slime_rc.demo.model.TinyGPTConfig`.
+No megatron, no ``torch.distributed``: the rollout engine only needs ``full_parameters(model)`` (``{global parameter
+name: full unsharded tensor}``) and the :class:`~slime_rc.demo.model.TinyGPTConfig`.
 
 :class:`TorchGPT` -- the forward of megatron-core's ``GPTModel`` with the local layer spec (as built by
 ``build_model``), read from megatron-core 0.16's source
@@ -41,17 +41,17 @@ At each generated position, with ``z`` the last-position logits (``dtype``) and 
     y      = z.float() / T                                           (fp32, the tempered logits)
     p      = softmax(y)
     y'     = y + logit_noise * (1 - p) ** 2 * eps,  eps ~ N(0, 1) iid per vocabulary entry and position
-    logq   = max(log_softmax(y'), finfo(dtype).min)                 (the engine's full distribution, no -inf)
+    logq   = max(log_softmax(y'), finfo(dtype).min)                 (the rollout engine's full distribution, no -inf)
     sample ~ softmax(y') restricted to the top-p nucleus and renormalised (SGLang's rule: in sorted order, keep
              token i iff cumsum_i - q_i <= top_p; the most probable token is always kept)
     rollout_log_prob = logq[sample]                                  (full distribution, NOT renormalised over top-p)
 
 The noise term ``sigma * (1 - p_v)^2`` leaves probable tokens almost untouched (p = 0.9: 1% of sigma) and perturbs
 improbable ones by ~sigma in tempered-logit units, so the mismatch concentrates on low-probability tokens, as the
-field reports for real engines at scale (log p ~ -30 is below bf16 resolution).  At this toy scale (V = 128) the
-engine's own bf16/fp16 mismatch is *not* concentrated that way (measured: about equal on the least and most probable
-quartiles of sampled tokens) -- use ``logit_noise`` when that shape matters.  The trainer scores the same tokens with
-``vocab_parallel_log_probs(logits, targets, temperature)`` = ``log_softmax(logits / T)`` in fp32.
+field reports for real rollout engines at scale (log p ~ -30 is below bf16 resolution).  At this toy scale (V = 128)
+the rollout engine's own bf16/fp16 mismatch is *not* concentrated that way (measured: about equal on the least and most
+probable quartiles of sampled tokens) -- use ``logit_noise`` when that shape matters.  The trainer scores the same
+tokens with ``vocab_parallel_log_probs(logits, targets, temperature)`` = ``log_softmax(logits / T)`` in fp32.
 
 Generation recomputes the whole left-padded prefix of the still-running rows at every step (no KV cache): exact, and
 64 prompts x 12 new tokens of the default 4-layer model take ~0.1 s (fp32) / ~0.2 s (bf16, fp16) on 2 CPU cores.
@@ -59,9 +59,9 @@ Generation recomputes the whole left-padded prefix of the still-running rows at 
 Temperature must be > 0 (a ValueError otherwise): SGLang's temperature 0 means greedy decoding, and a trainer cannot
 divide its logits by 0 to score it -- for near-greedy rollouts use a small temperature on both sides.
 
-Weight syncs (``stale_steps``): :meth:`RolloutEngine.load_weights` is called once per training step; the engine keeps
-the last ``stale_steps + 1`` versions and generates with the one loaded ``stale_steps`` syncs ago (before that many
-syncs have happened, with the oldest one it has) -- an asynchronous rollout worker lagging the trainer.
+Weight syncs (``stale_steps``): :meth:`RolloutEngine.load_weights` is called once per training step; the rollout
+engine keeps the last ``stale_steps + 1`` versions and generates with the one loaded ``stale_steps`` syncs ago (before
+that many syncs have happened, with the oldest one it has) -- an asynchronous rollout worker lagging the trainer.
 
 Output of :meth:`RolloutEngine.generate`: one dict per prompt with ``prompt`` (the 1-D int64 prompt),
 ``response`` (1-D int64, the generated tokens: ends with ``stop_token`` when that was sampled, nothing padded),
@@ -159,7 +159,7 @@ class TorchGPT:
     @torch.no_grad()
     def logits(self, tokens: torch.Tensor, pad: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``tokens [B, T]`` int64 (``pad [B]``: leading pad tokens per row, default 0) -> logits ``[B, T, V]``
-        in the engine dtype.  Rows of padding positions are garbage (finite); read only real positions."""
+        in the rollout engine's dtype.  Rows of padding positions are garbage (finite); read only real positions."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [B, T], got {tuple(tokens.shape)}")
         tokens = tokens.to(self.device)
@@ -226,7 +226,7 @@ class RolloutEngine:
     Knobs: ``dtype`` (``"fp32"``/``"bf16"``/``"fp16"``: weights and forward in that precision), ``stale_steps``
     (generate with the weights of ``stale_steps`` syncs ago), ``logit_noise`` (sigma of the improbable-token logit
     noise, seeded by ``noise_seed``), ``temperature`` (> 0) and ``top_p`` (sampling only; log-probs are the full
-    distribution's), ``seed`` (the sampling generator).  ``device``: where the engine's copy of the model runs.
+    distribution's), ``seed`` (the sampling generator).  ``device``: where the rollout engine's copy of the model runs.
     """
 
     def __init__(self, cfg, *, dtype: Union[str, torch.dtype] = "fp32", stale_steps: int = 0,
@@ -276,7 +276,7 @@ class RolloutEngine:
 
     # -- distribution --------------------------------------------------------------------------------------------
     def _distribution(self, logits: torch.Tensor) -> torch.Tensor:
-        """Engine logits ``[N, V]`` -> the full (noised, tempered) fp32 log-distribution ``[N, V]``, floored."""
+        """Rollout-engine logits ``[N, V]`` -> the full (noised, tempered) fp32 log-distribution ``[N, V]``, floored."""
         y = logits.float() / self.temperature
         if self.logit_noise > 0:
             p = torch.softmax(y, dim=-1)
@@ -358,8 +358,8 @@ class RolloutEngine:
 
     @torch.no_grad()
     def full_log_probs(self, tokens: torch.Tensor, pad: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The engine's full next-token log-distribution at every position: ``tokens [B, T]`` (``pad [B]`` leading
-        pad tokens) -> fp32 ``[B, T, V]`` -- active weights, dtype, temperature and a fresh draw of the logit
+        """The rollout engine's full next-token log-distribution at every position: ``tokens [B, T]`` (``pad [B]``
+        leading pad tokens) -> fp32 ``[B, T, V]`` -- active weights, dtype, temperature and a fresh draw of the logit
         noise, floored (what :meth:`generate` reports a log-prob from)."""
         _, model = self._active()
         logits = model.logits(tokens, pad)
@@ -367,8 +367,8 @@ class RolloutEngine:
 
     @torch.no_grad()
     def score(self, prompts: Sequence[torch.Tensor], responses: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-        """Teacher-forced engine log-probs of given responses (SGLang's ``input_token_logprobs`` of the response
-        part), from :meth:`full_log_probs`.  Returns one fp32 ``[len(response)]`` tensor per pair."""
+        """Teacher-forced rollout-engine log-probs of given responses (SGLang's ``input_token_logprobs`` of the
+        response part), from :meth:`full_log_probs`.  Returns one fp32 ``[len(response)]`` tensor per pair."""
         prompts = self._check_prompts(prompts, self.cfg.vocab_size)
         if len(responses) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")

@@ -2,9 +2,20 @@
 
 Started under ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` set) every process joins that process group
 (NCCL when CUDA is present, else gloo): the same command scales to many nodes.  Otherwise it spawns ``--nproc``
-local processes.  Rank 0 prints one line per step and writes ``--output-dir``: ``config.json`` (the resolved
-rollout-correction config and the run settings), ``metrics.jsonl`` (one JSON object per step) and TensorBoard event
-files when tensorboard is installed.
+local processes.
+
+Each thing is done once, before any process starts (:func:`main`): the rollout-correction configuration is resolved
+(``resolve_args``) and checked against the run settings, and the ``--custom-tis-function-path`` function is loaded
+(``tis_function_from_args``; a bad spec fails the launch).  The workers get the resolved configuration
+(:class:`Launch`) and never resolve it again.  The TIS function is loaded once per process: the launching process
+hands the loaded function to the worker it runs itself (``--nproc 1``, and every process under ``torchrun``, which
+runs its own launcher), while each spawned worker (``--nproc N > 1``) gets the spec (the launch line's ``args``)
+and loads it once there -- a function crosses a process boundary only by name, which a function loaded from a
+file path does not have.
+
+Rank 0 prints one line per step and writes ``--output-dir``: ``config.json`` (the resolved rollout-correction config
+and the run settings), ``metrics.jsonl`` (one JSON object per step) and TensorBoard event files when tensorboard is
+installed.
 """
 
 from __future__ import annotations
@@ -14,12 +25,13 @@ import json
 import os
 import sys
 import tempfile
-from dataclasses import fields
-from typing import List, Optional
+from dataclasses import dataclass, field, fields, replace
+from typing import Callable, Dict, List, Optional
 
 import torch
 
 from slime_rc.config.arguments import add_rollout_correction_arguments, resolve_args, tis_function_from_args
+from slime_rc.config.schema import RolloutCorrectionConfig
 from slime_rc.sglang_output import check_sampling_consistency
 from slime_rc.demo.train.loop import TrainSettings, run_training, settings_dict
 
@@ -79,7 +91,27 @@ def _line(m: dict, total: int) -> str:
             f"rejected {m.get('rollout_corr/rollout_rs_masked_fraction', 0.0):.3f}  {m['time/step']:.2f}s")
 
 
-def _worker(rank: int, world: int, init_method: str, args: argparse.Namespace) -> None:
+@dataclass
+class Launch:
+    """What the launcher resolved, handed to every worker (picklable: spawned workers receive it)."""
+
+    settings: TrainSettings
+    config: RolloutCorrectionConfig  # the resolved rollout-correction configuration
+    sources: Dict[str, str] = field(default_factory=dict)  # who set each field (written to config.json)
+    notes: List[str] = field(default_factory=list)  # the resolution's notes (rank 0 prints them)
+    tis_function: Optional[Callable] = None  # --custom-tis-function-path, loaded in this process
+    load_tis_function: bool = False  # a spawned worker: load it from the launch line's args, once there
+
+    def for_spawned_workers(self) -> "Launch":
+        """This launch for workers in new processes: the TIS function travels as its spec (in ``args``)."""
+        return replace(self, tis_function=None, load_tis_function=self.tis_function is not None)
+
+    def tis_function_here(self, args: argparse.Namespace) -> Optional[Callable]:
+        """The TIS function in this process: the one the launcher loaded, or (a spawned worker) loaded now."""
+        return tis_function_from_args(args) if self.load_tis_function else self.tis_function
+
+
+def _worker(rank: int, world: int, init_method: str, args: argparse.Namespace, launch: Launch) -> None:
     import torch.distributed as dist
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     if not torch.cuda.is_available():
@@ -92,14 +124,13 @@ def _worker(rank: int, world: int, init_method: str, args: argparse.Namespace) -
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     else:
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
-    resolution = resolve_args(args)
-    settings = _settings(args)
+    settings, config = launch.settings, launch.config
     out, writer = None, None
     if rank == 0:
         print(f"slime-rc train: {settings.task} on {settings.digits} digits, {dist.get_world_size()} process(es) "
-              f"(tp {settings.tp}, pp {settings.pp}, cp {settings.cp}), mode {resolution.config.mode} / "
-              f"{resolution.config.loss_type}", flush=True)
-        for note in resolution.notes:
+              f"(tp {settings.tp}, pp {settings.pp}, cp {settings.cp}), mode {config.mode} / "
+              f"{config.loss_type}", flush=True)
+        for note in launch.notes:
             print(f"note: {note}", flush=True)
         for note in check_sampling_consistency({"temperature": settings.temperature, "top_p": settings.top_p},
                                                settings.temperature, warn=False):
@@ -107,7 +138,7 @@ def _worker(rank: int, world: int, init_method: str, args: argparse.Namespace) -
         if args.output_dir:
             os.makedirs(args.output_dir, exist_ok=True)
             with open(os.path.join(args.output_dir, "config.json"), "w") as f:
-                json.dump({"rollout_correction": resolution.config.to_dict(), "sources": resolution.sources,
+                json.dump({"rollout_correction": config.to_dict(), "sources": launch.sources,
                            "settings": settings_dict(settings)}, f, indent=2, default=str)
             out = open(os.path.join(args.output_dir, "metrics.jsonl"), "w")
             try:
@@ -129,8 +160,7 @@ def _worker(rank: int, world: int, init_method: str, args: argparse.Namespace) -
                     writer.add_scalar(k, v, m["step"])
 
     try:
-        args.rollout_correction_config = resolution.config  # what the custom_tis adapters read
-        history = run_training(settings, resolution.config, on_step, tis_function=tis_function_from_args(args),
+        history = run_training(settings, config, on_step, tis_function=launch.tis_function_here(args),
                                tis_args=args)
         if rank == 0 and history:
             first, last = history[0], history[-1]
@@ -145,18 +175,34 @@ def _worker(rank: int, world: int, init_method: str, args: argparse.Namespace) -
         dist.destroy_process_group()
 
 
+# The flag whose function main() loads: argparse's own check of it while parsing would be a second load.
+_TIS_FUNCTION_FLAG = "--custom-tis-function-path"
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = add_train_arguments(argparse.ArgumentParser(prog="slime-rc train", allow_abbrev=False))
+    tis_flag = parser._option_string_actions.get(_TIS_FUNCTION_FLAG)  # argparse has no public lookup
+    if tis_flag is not None:
+        tis_flag.type = None  # keep the spec a string while parsing; it is loaded once, below
     args = parser.parse_args(argv)
     try:
-        _settings(args).check(resolve_args(args).config)  # refuse a bad configuration before starting anything
+        tis_function = tis_function_from_args(args)
+    except ValueError as e:  # as argparse reports a bad flag value
+        parser.error(f"argument {_TIS_FUNCTION_FLAG}: {e}")
+    try:
+        resolution = resolve_args(args)
+        settings = _settings(args)
+        settings.check(resolution.config)  # refuse a bad configuration before starting anything
         if args.rollout_engine == "sglang" and not args.sglang_url:
             raise ValueError("--rollout-engine sglang needs --sglang-url http://host:port")
     except ValueError as e:
         print(f"slime-rc train: error: {e}", file=sys.stderr)
         return 2
+    args.rollout_correction_config = resolution.config  # what the custom_tis adapters read (travels with args)
+    launch = Launch(settings, resolution.config, sources=dict(resolution.sources), notes=list(resolution.notes),
+                    tis_function=tis_function)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        _worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://", args)
+        _worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://", args, launch)
         return 0
     need = args.tp * args.pp * args.cp
     if args.nproc % need:
@@ -165,8 +211,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     store = "file://" + os.path.join(tempfile.mkdtemp(prefix="slime_rc_train_"), "store")
     if args.nproc == 1:
-        _worker(0, 1, store, args)
+        _worker(0, 1, store, args, launch)
     else:
         import torch.multiprocessing as mp
-        mp.start_processes(_worker, args=(args.nproc, store, args), nprocs=args.nproc, start_method="spawn")
+        mp.start_processes(_worker, args=(args.nproc, store, args, launch.for_spawned_workers()), nprocs=args.nproc,
+                           start_method="spawn")
     return 0

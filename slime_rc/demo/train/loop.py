@@ -3,22 +3,25 @@ advantages -> one optimizer step with the rollout-correction loss, on a real meg
 
 Runs in every rank of an initialised process group (:func:`run_training`).  Per step:
 
-1. weight sync: ``full_parameters(model)`` -> the rollout engine (``slime_rc.demo.rollout``; separate from the trainer,
-   with its own precision / staleness / noise knobs).  Every rank runs the same deterministic engine, so every rank
-   holds the same samples without a broadcast;
+1. weight sync: ``full_parameters(model)`` -> the rollout engine (``slime_rc.demo.rollout``; separate from the
+   trainer, with its own precision / staleness / noise knobs).  Every rank runs the same deterministic rollout engine,
+   so every rank holds the same samples without a broadcast;
 2. ``prompts_per_step`` prompts x ``group_size`` samples, rewards from the task (``slime_rc.demo.train.task``);
 3. packed micro-batches (``micro_batches`` of the global batch, contiguous blocks per DP rank): each sample is one
    sequence prompt + response; loss on the positions that predict response tokens, rollout log-probs there;
 4. standard / decoupled mode: a forward-only pass recomputes log pi_old of the global batch;
-5. advantages (``group_advantages``) over the samples the correction keeps, so a rejected sample never feeds its
-   group's baseline: in decoupled mode from the recomputed pi_old; in bypass mode with rejection (RS, veto, mask
-   mode) from a forward-only pass at the step's starting weights (= the pi_theta the loss sees; bypass without
-   rejection skips that pass);
-6. one step: decoupled mode with the pre-step global correction (``prepare_global_batch``), bypass mode with the
-   in-loss correction (``slime_rc.megatron.loss``).
+5. decoupled mode: the pre-step correction of the global batch (``prepare_global_batch`` on this rank's sharded
+   micro-batches, one collective round over DP x CP) -- the step's only correction call: the loss uses it, and the
+   samples it keeps (:func:`kept_samples`) are the baselines';
+6. advantages (``group_advantages``) over the samples the correction keeps, so a rejected sample never feeds its
+   group's baseline: in decoupled mode from the recomputed pi_old (step 5); in bypass mode with rejection (RS, veto,
+   mask mode) from a forward-only pass at the step's starting weights (= the pi_theta the loss sees; bypass without
+   rejection skips that pass) and :func:`global_correction`;
+7. one step: decoupled mode with the pre-step correction of step 5, bypass mode with the in-loss correction
+   (``slime_rc.megatron.loss``).
 
 Metrics-only monitoring (``--get-mismatch-metrics`` without IS/RS/veto) changes neither the loss nor the gradients:
-the engine's keep mask is then every loss token and no weight is applied.  In bypass mode it adds no forward pass:
+the correction's keep mask is then every loss token and no weight is applied.  In bypass mode it adds no forward pass:
 the metrics come from the loss's own pi_theta.  ``decoupled_metrics`` (bypass only) asks for the forward-only pass
 and logs the global-batch metrics of pi_old (the weights at the step's start) vs pi_rollout as
 ``rollout_corr_decoupled/...``.  ``dump_logprobs`` writes each step's per-sample train / rollout log-probs
@@ -98,7 +101,7 @@ class TrainSettings:
                              max_seq_len=4 * (self.digits + 2) + 8, seed=1234 + self.seed)
 
 
-def make_engine(s: TrainSettings, cfg):
+def make_rollout_engine(s: TrainSettings, cfg):
     """The rollout engine: the in-process one with its mismatch knobs, or an SGLang server's ``/generate``."""
     if s.rollout_engine == "sglang":
         from slime_rc.demo.rollout.sglang_client import SGLangEngine
@@ -176,6 +179,30 @@ def self_log_probs(M, model, batch: List[dict], temperature: float, log_probs_fn
     return _gather_from_reporters(local)
 
 
+def global_correction(batch: List[dict], train_log_probs: dict, config: RolloutCorrectionConfig):
+    """The correction of the whole global batch (every rank holds it all: no collective) against ``train_log_probs``
+    (:func:`self_log_probs`): the kept samples and ``decoupled_metrics`` where no pre-step correction runs."""
+    cat = (lambda k: torch.cat([mb[k] for mb in batch]))
+    lengths = [int(n) for mb in batch for n in (mb["cu_seqlens"][1:] - mb["cu_seqlens"][:-1])]
+    train = torch.cat([train_log_probs[mb["sample_index"][0]] for mb in batch])
+    return compute_rollout_correction(train, cat("rollout_log_probs"), cat("loss_mask"),
+                                      cu_seqlens_from_lengths(lengths), config)
+
+
+def kept_samples(micro_batches: List[dict], prepared, n_samples: int) -> torch.Tensor:
+    """``[n_samples]`` bool, on every rank: the samples the pre-step correction keeps, read off this rank's
+    ``prepare_global_batch`` result (``prepared[i]`` of ``micro_batches[i]``: each sequence's ``kept``) and gathered
+    over the DP ranks."""
+    local = {}
+    if _is_reporter():
+        for mb, p in zip(micro_batches, prepared):
+            local.update(zip(mb["sample_index"], (p.correction.sequences["kept"] > 0).tolist()))
+    merged = _gather_from_reporters(local)
+    if sorted(merged) != list(range(n_samples)):
+        raise RuntimeError(f"the pre-step correction reported {len(merged)} of {n_samples} samples")
+    return torch.tensor([merged[i] for i in range(n_samples)], dtype=torch.bool)
+
+
 def dump_step(directory: str, step: int, batch: List[dict], train_log_probs: dict, rewards: torch.Tensor,
               advantages: torch.Tensor, mode: str) -> str:
     """Write one step's samples (their response tokens only) with :class:`slime_rc.tools.dump.DumpWriter`:
@@ -218,17 +245,17 @@ def run_training(settings: TrainSettings, config: RolloutCorrectionConfig,
         cfg = s.model_config()
         model = M.build_model(cfg, calculate_per_token_loss=False)
         optimizer = M.build_optimizer(model, lr=s.lr)
-        engine = make_engine(s, cfg)
+        rollout_engine = make_rollout_engine(s, cfg)
         prompt_gen = torch.Generator().manual_seed(s.seed)
         history = []
         for step in range(s.num_steps):
             t0 = time.perf_counter()
             state = M.full_parameters(model)  # collective: every rank
-            if hasattr(engine, "load_weights"):  # an SGLang server's weights are updated by the user's own path
-                engine.load_weights(state)
+            if hasattr(rollout_engine, "load_weights"):  # an SGLang server's weights are updated by the user's own path
+                rollout_engine.load_weights(state)
             prompts = [p for p in make_prompts(s.task, s.prompts_per_step, s.digits, prompt_gen)
                        for _ in range(s.group_size)]
-            samples = engine.generate(prompts, max_new_tokens=s.digits + 1, stop_token=EOS)
+            samples = rollout_engine.generate(prompts, max_new_tokens=s.digits + 1, stop_token=EOS)
             r = rewards(s.task, prompts, [x["response"] for x in samples])
             t_rollout = time.perf_counter() - t0
 
@@ -244,31 +271,33 @@ def run_training(settings: TrainSettings, config: RolloutCorrectionConfig,
                 if not bypass:
                     for mb in batch:
                         mb["old_log_probs"] = current[mb["sample_index"][0]]
-            global_metrics = {}
-            if config.rejects or s.decoupled_metrics:  # the correction of the global batch, on every rank
-                cat = (lambda k: torch.cat([mb[k] for mb in batch]))
-                lengths = [int(n) for mb in batch for n in (mb["cu_seqlens"][1:] - mb["cu_seqlens"][:-1])]
-                train = torch.cat([current[mb["sample_index"][0]] for mb in batch])
-                corr = compute_rollout_correction(train, cat("rollout_log_probs"), cat("loss_mask"),
-                                                  cu_seqlens_from_lengths(lengths), config)
-                if config.rejects:  # which samples the correction keeps, for the group baselines
-                    kept = corr.sequences["kept"] > 0
-                if s.decoupled_metrics:
-                    global_metrics = {k: float(v) for k, v in corr.prefixed("rollout_corr_decoupled/").items()}
-            adv = group_advantages(r, s.group_size, kept)
-            for mb in batch:
-                cu = mb["cu_seqlens"]
-                mb["advantages"] = torch.repeat_interleave(adv[mb["sample_index"]], cu[1:] - cu[:-1])
-            if s.dump_logprobs and dist.get_rank() == 0:
-                dump_step(s.dump_logprobs, step, batch, current, r, adv, config.mode)
 
             t1 = time.perf_counter()
             mine = M.data_parallel_slice(batch)
             if tis_function is not None:
                 mine = [with_sample_fields(mb) for mb in mine]
-            local_mbs = M.shard_for_step(model, mine)
+            local_mbs = M.shard_for_step(model, mine)  # advantages filled in below, once the kept samples are known
             prestep = config.mode == "decoupled" and tis_function is None
+            # decoupled mode: the step's one correction, of the global batch; its keep mask is also the baselines'
             prepared = prepare_global_batch(local_mbs, config) if prestep else None
+            global_metrics = {}
+            if prepared is not None:
+                if config.rejects:
+                    kept = kept_samples(mine, prepared, len(samples))
+            elif config.rejects or s.decoupled_metrics:  # the correction of the global batch, on every rank
+                corr = global_correction(batch, current, config)
+                if config.rejects:  # which samples the correction keeps, for the group baselines
+                    kept = corr.sequences["kept"] > 0
+                if s.decoupled_metrics:
+                    global_metrics = {k: float(v) for k, v in corr.prefixed("rollout_corr_decoupled/").items()}
+            adv = group_advantages(r, s.group_size, kept)
+            for mb, lmb in zip(mine, local_mbs):
+                cu = mb["cu_seqlens"]
+                mb["advantages"] = torch.repeat_interleave(adv[mb["sample_index"]], cu[1:] - cu[:-1])
+                lmb["advantages"] = M.shard_field(lmb, mb["advantages"])
+            if s.dump_logprobs and dist.get_rank() == 0:
+                dump_step(s.dump_logprobs, step, batch, current, r, adv, config.mode)
+
             loss_fn = make_loss_func(config, temperature=s.temperature, prepared=prepared,
                                      num_microbatches=len(mine), tis_function=tis_function, tis_args=tis_args)
             result = M.train_step(model, optimizer, mine, loss_fn, local_micro_batches=local_mbs)
