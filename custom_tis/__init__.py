@@ -1,9 +1,14 @@
-"""slime-compatible custom TIS functions (``--custom-tis-function-path``), thin adapters over
-:func:`slime_rc.compute_rollout_correction`:
+"""The slime surface: the TIS functions slime loads by dotted path (``--custom-tis-function-path``), each taking
+exactly what slime's policy loss passes and returning what it expects (``_contract.py``):
 
-* ``custom_tis.mis.compute_mis_weights[_with_cp]``: IS / RS / veto / mismatch metrics from slime's keys;
-* ``custom_tis.tis.compute_tis_weights[_with_cp]``: vanilla truncated IS (``tis_clip``, ``tis_clip_low``);
-* ``custom_tis.icepop.compute_icepop_weights[_with_cp]``: token-level mask-mode IS (IcePop).
+* ``custom_tis.mis.compute_mis_weights[_with_cp]``: IS / RS / veto / batch norm / the ``mis_*`` metrics on slime's
+  keys with slime's example semantics (:mod:`slime_rc.slime.mis`); slime-rc's correction engine
+  (:func:`slime_rc.compute_rollout_correction`) when the settings go beyond what slime's example can express;
+* ``custom_tis.tis.compute_tis_weights[_with_cp]``: slime's vanilla truncated IS (``tis_clip``, ``tis_clip_low``);
+* ``custom_tis.icepop.compute_icepop_weights[_with_cp]``: slime's IcePop (token-level mask-mode IS).
+
+Under context parallelism the CP rank and group come from :func:`slime_rc.correction.reducer.megatron_context_parallel`
+and the zigzag positions from :mod:`slime_rc.megatron.cp_layout`.
 """
 
 from custom_tis.icepop import compute_icepop_weights, compute_icepop_weights_with_cp

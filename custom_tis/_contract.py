@@ -26,6 +26,7 @@ import torch
 
 from slime_rc import LocalReducer, RolloutCorrectionConfig, compute_rollout_correction, cu_seqlens_from_lengths
 from slime_rc.correction.engine import CorrectionResult
+from slime_rc.correction.reducer import megatron_context_parallel
 from slime_rc.megatron.cp_layout import zigzag_response_indices
 
 TensorList = List[torch.Tensor]
@@ -45,22 +46,6 @@ def launch_config(args: Any) -> Optional[RolloutCorrectionConfig]:
 
 
 # ---- the CP layout -----------------------------------------------------------------------------------------------
-def context_parallel() -> Tuple[int, int, LocalReducer]:
-    """``(cp_size, cp_rank, reducer over the CP group)`` from megatron-core's parallel_state when torch.distributed
-    and the model-parallel groups are initialized; ``(1, 0, LocalReducer())`` otherwise."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        from megatron.core import parallel_state as ps
-
-        if ps.model_parallel_is_initialized():
-            from slime_rc.correction.reducer import megatron_reducer
-
-            return (ps.get_context_parallel_world_size(), ps.get_context_parallel_rank(),
-                    megatron_reducer(data_parallel=False))
-    return 1, 0, LocalReducer()
-
-
 class Batch:
     """One call's samples, packed: this rank's tokens of each sample and where they sit in the full responses.
 
@@ -166,7 +151,7 @@ def run_with_cp(compute: Callable[[Batch, LocalReducer], Tuple[Optional[torch.Te
                 prefix: str = "", cp: Optional[Tuple[int, int, LocalReducer]] = None):
     """slime's CP contract around ``compute(batch, reducer) -> (weights [N] | None, keep [N], seq_keep [B],
     metrics {name: [N]})``: returns ``(pg_loss * weights, full-length masks, {prefix + name: [N]})``."""
-    cp_size, cp_rank, reducer = context_parallel() if cp is None else cp
+    cp_size, cp_rank, reducer = megatron_context_parallel() if cp is None else cp
     batch = Batch(train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths, (cp_size, cp_rank))
     check_pg_loss(pg_loss, batch)
     weights, keep, seq_keep, metrics = compute(batch, reducer)

@@ -12,11 +12,15 @@ The engine hands a reducer three kinds of O(B)-sized statistics, never per-token
 So a call of the engine costs at most 3 collectives however many sequences it holds.  Sequence-level totals
 must be counted once per sequence, not once per CP rank: ``counts_sequences`` is True on exactly one rank of
 each context-parallel group.
+
+Outside the engine, the two other places that need other ranks ask here too: the slime adapters learn their CP
+rank and group (:func:`megatron_context_parallel`), and the once-per-step reduction of a TIS function's metrics
+sums named values over DP x CP (:func:`sum_named_values`, :func:`megatron_step_group`).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -106,3 +110,47 @@ def megatron_reducer(*, context_parallel: bool = True, data_parallel: bool = Tru
 
 def as_reducer(reducer: Optional[LocalReducer]) -> LocalReducer:
     return LocalReducer() if reducer is None else reducer
+
+
+def distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def megatron_context_parallel() -> Tuple[int, int, LocalReducer]:
+    """``(cp_size, cp_rank, reducer over the CP group)`` from megatron-core's parallel_state when torch.distributed
+    and the model-parallel groups are initialized; ``(1, 0, LocalReducer())`` otherwise."""
+    if distributed():
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            return (ps.get_context_parallel_world_size(), ps.get_context_parallel_rank(),
+                    megatron_reducer(data_parallel=False))
+    return 1, 0, LocalReducer()
+
+
+def megatron_step_group() -> Tuple[Optional[object], int]:
+    """``(megatron's DP x CP group, CP size)`` when torch.distributed is initialized; ``(None, 1)`` otherwise."""
+    if not distributed():
+        return None, 1
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_group(with_context_parallel=True), ps.get_context_parallel_world_size()
+
+
+def sum_named_values(names: Sequence[str], values: torch.Tensor, *, group=None, what: str = "values") -> torch.Tensor:
+    """``values`` (``[len(names) + extra]``; the first ``len(names)`` belong to ``names``) summed over ``group``.
+
+    Every rank must sum the same names: they are compared first (one ``all_gather_object``), and a difference is a
+    ``ValueError`` on every rank naming both lists -- not a gloo size mismatch or, worse, two different metrics
+    added together.  Two collectives; none when not distributed or ``group`` has one rank."""
+    if not distributed() or dist.get_world_size(group) == 1:
+        return values
+    everyone: List = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, list(names), group=group)
+    for other in everyone:
+        if other != list(names):
+            raise ValueError(f"{what}: different names on different ranks ({list(names)} vs {other}); every rank "
+                             f"must report the same names")
+    values = values.clone()
+    dist.all_reduce(values, group=group)
+    return values

@@ -29,7 +29,7 @@ import torch
 from slime_rc.config.schema import RolloutCorrectionConfig
 from slime_rc.correction.engine import CorrectionResult, compute_rollout_correction
 from slime_rc.losses import LossNormalizer, compute_policy_loss, loss_normalizer
-from slime_rc.correction.reducer import LocalReducer
+from slime_rc.correction.reducer import LocalReducer, megatron_reducer, megatron_step_group, sum_named_values
 from slime_rc.megatron.logprobs import vocab_parallel_log_probs
 
 # What a micro-batch (this rank's tokens) must hold, all [N] aligned with the target tokens.
@@ -45,7 +45,6 @@ class PreparedMicroBatch:
 
 
 def _cp_reducer() -> LocalReducer:
-    from slime_rc.correction.reducer import megatron_reducer
     return megatron_reducer(data_parallel=False)
 
 
@@ -59,7 +58,6 @@ def prepare_global_batch(micro_batches: Sequence[Dict[str, torch.Tensor]], confi
                          f"mode={config.mode!r}: in bypass mode the weights depend on pi_theta and are computed in the "
                          f"loss.")
     if reducer is None:
-        from slime_rc.correction.reducer import megatron_reducer
         reducer = megatron_reducer()
     sizes = [int(mb["cu_seqlens"][-1]) for mb in micro_batches]
     seqs = [mb["cu_seqlens"].numel() - 1 for mb in micro_batches]
@@ -286,31 +284,21 @@ def reduce_tis_function_metrics(micro_batch_metrics: Sequence[Dict[str, torch.Te
 
     Collective over ``group``: call it on every rank of the last pipeline stage (where the loss ran), with the
     micro-batches that stage's loss saw."""
-    import torch.distributed as dist
-
     per_token = config.loss_agg == "token_mean"
     keys = sorted({k for m in micro_batch_metrics for k in m if k.startswith(TIS_FUNCTION_METRICS)})
-    distributed = dist.is_available() and dist.is_initialized()
-    if distributed and group is None:
-        from megatron.core import parallel_state as ps
-        group = ps.get_data_parallel_group(with_context_parallel=True)
-        cp_size = ps.get_context_parallel_world_size() if cp_size is None else cp_size
+    if group is None:
+        group, megatron_cp = megatron_step_group()
+        cp_size = megatron_cp if cp_size is None else cp_size
     cp_size = 1 if cp_size is None else int(cp_size)
-    if distributed and dist.get_world_size(group) > 1:
-        everyone: List = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, keys, group=group)
-        for other in everyone:
-            if other != keys:
-                raise ValueError(f"the TIS function returned different metric names on different ranks ({keys} vs "
-                                 f"{other}); slime sums each name over DP x CP: return the same keys everywhere")
     values = torch.zeros(len(keys) + 1, dtype=torch.float64)
     for m in micro_batch_metrics:
         for i, k in enumerate(keys):
             if k in m:
                 values[i] += float(m[k])
     values[-1] = tis_function_metric_count(local_micro_batches, per_token)
-    if distributed and dist.get_world_size(group) > 1:
-        dist.all_reduce(values, group=group)
+    values = sum_named_values(keys, values, group=group,
+                              what="the TIS function's metrics (slime sums each name over DP x CP: return the same "
+                                   "keys on every rank)")
     count = float(values[-1]) / cp_size
     return {k: float(values[i]) / count if count > 0 else 0.0 for i, k in enumerate(keys)}
 
