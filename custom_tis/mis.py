@@ -81,7 +81,7 @@ def _engine_config(args):
 @functools.lru_cache(maxsize=32)
 def _resolve_engine(preset, items):
     """slime-rc's config for a preset (lowest) and the keys on ``args``; cached: slime calls once per micro-batch."""
-    from slime_rc.config.layers import Layer, preset_layer, resolve
+    from slime_rc.config.resolution import Layer, preset_layer, resolve
 
     layers = [preset_layer(preset)] if preset else []
     layers.append(Layer.from_mapping(dict(items), kind="yaml", where="slime's args"))

@@ -20,7 +20,7 @@ from slime_rc.diffusion import (
     compute_diffusion_step_correction,
     compute_diffusion_step_loss,
 )
-from slime_rc.config.layers import resolve
+from slime_rc.config.resolution import resolve
 from slime_rc.config.yaml_config import load_yaml_layer
 
 from tests.checks import raises_mentioning

@@ -11,7 +11,7 @@ modules listed before it, never one after it):
 * :mod:`~slime_rc.config.knobs`: the knob table and its derived views;
 * :mod:`~slime_rc.config.stack`: a ``Layer`` of settings per source, stacked by precedence, building the config;
 * :mod:`~slime_rc.config.schema`: ``RolloutCorrectionConfig`` (fields, validation, ``from_dict``, ``preset``);
-* :mod:`~slime_rc.config.layers`: ``resolve``: the config, who set each field, and notes;
+* :mod:`~slime_rc.config.resolution`: ``resolve``: the config, who set each field, and notes;
 * :mod:`~slime_rc.config.yaml_config`: ``--custom-config-path`` in slime's or verl's dialect;
 * :mod:`~slime_rc.config.arguments`: the argparse flags, ``config_from_args``, ``resolve_args``.
 """

@@ -6,7 +6,7 @@ and :data:`SLIME_OWNED_FLAGS` are that table in argparse's shape.  They add to a
 included (use it as ``extra_args_provider``: it returns the parser).  Every flag defaults to None, so
 ``config_from_args`` can tell what was given on the command line and apply the precedence **flag > YAML
 (--custom-config-path) > preset (--rollout-correction-preset) > default** through
-:func:`slime_rc.config.layers.resolve`.  ``--custom-tis-function-path`` and
+:func:`slime_rc.config.resolution.resolve`.  ``--custom-tis-function-path`` and
 ``--custom-config-path`` are checked while parsing (a bad path fails the launch, not the first step).
 
 Inside slime (``slime.utils.arguments.parse_args(add_custom_arguments=add_rollout_correction_arguments)``) the
@@ -26,7 +26,7 @@ import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 from slime_rc.config.knobs import ALL_FLAGS, KNOB_FLAGS, LAUNCH_FLAGS, Flag, dest_of
-from slime_rc.config.layers import KINDS, SLIME_KINDS, Layer, Resolution, preset_layer, resolve
+from slime_rc.config.resolution import KINDS, SLIME_KINDS, Layer, Resolution, preset_layer, resolve
 from slime_rc.config.schema import RolloutCorrectionConfig
 from slime_rc.config.yaml_config import load_yaml_layer
 from slime_rc.plugins import TIS_CONTRACT, load_function
@@ -129,7 +129,7 @@ def _given(args: argparse.Namespace, flag: str) -> Any:
 
 
 def resolve_args(args: argparse.Namespace, *, slime: bool = False) -> Resolution:
-    """The config ``args`` describe, who set each field, and notes (see :func:`slime_rc.config.layers.resolve`).
+    """The config ``args`` describe, who set each field, and notes (see :func:`slime_rc.config.resolution.resolve`).
 
     ``slime``: the resolution slime applies — the YAML beats the flags (slime copies it onto ``args`` after
     parsing) and is read as slime reads it (:func:`slime_rc.config.yaml_config.load_yaml_layer`).  ``args`` may already

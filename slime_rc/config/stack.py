@@ -7,7 +7,7 @@ parsing: default < preset < flag < YAML, :data:`SLIME_KINDS`) — and a :class:`
 remembers which layer set each key, refuses settings that a higher layer made dead (``--tis-level`` while IS is off)
 and builds the config with the class it is given (:meth:`Stack.build`): this module sits below the config record
 (:mod:`slime_rc.config.schema` builds ``RolloutCorrectionConfig.from_dict`` / ``.preset`` with it) and below
-:func:`slime_rc.config.layers.resolve`, which adds who set each field and the notes a user should see.
+:func:`slime_rc.config.resolution.resolve`, which adds who set each field and the notes a user should see.
 """
 
 from __future__ import annotations

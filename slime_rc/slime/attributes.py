@@ -5,7 +5,7 @@ A function written to slime's TIS contract (``--custom-tis-function-path``, e.g.
 ``args.rs_level``, ``args.use_tis`` ...  In slime they are slime's flags and the ``--custom-config-path`` YAML keys
 set onto ``args``.  When slime-rc runs such a function (``slime_rc.megatron.loss``, ``slime-rc train``) the
 function gets a *copy* of the caller's ``args`` (:func:`with_slime_attributes`) with these attributes set to the
-values slime-rc resolved (flags > YAML > preset > defaults, ``slime_rc.config.layers``), so that the function computes
+values slime-rc resolved (flags > YAML > preset > defaults, ``slime_rc.config.resolution``), so that the function computes
 what the loss uses -- never the ``None`` of a flag that was not given.
 
 The mapping inverts the knob table (:mod:`slime_rc.config.knobs`: slime key -> config field):

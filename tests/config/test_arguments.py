@@ -1,6 +1,6 @@
 """Command-line flags: ``add_rollout_correction_arguments`` / ``config_from_args`` / ``resolve_args``.
 
-Expectations are written from the documented semantics (slime_rc/config/arguments.py, slime_rc/config/layers.py,
+Expectations are written from the documented semantics (slime_rc/config/arguments.py, slime_rc/config/resolution.py,
 docs/configuration.md): precedence flag > YAML > preset > default, slime's flag spellings and aliases, the operating
 modes (standard / decoupled / bypass, ppo_clip / reinforce), dead-setting checks and parse-time validation.
 """

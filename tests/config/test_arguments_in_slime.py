@@ -25,7 +25,7 @@ import yaml
 from slime_rc.config.arguments import (FLAGS, OTHER_FLAGS, SLIME_OWNED_FLAGS, SLIME_PARSER_MODULE,
                                 add_rollout_correction_arguments, called_by_slime, resolve_args)
 from slime_rc.config.knobs import SPELLINGS
-from slime_rc.config.layers import near_miss, resolve
+from slime_rc.config.resolution import near_miss, resolve
 from slime_rc.config.yaml_config import load_yaml_layer
 
 from tests.checks import raises_mentioning as _raises

@@ -7,7 +7,7 @@ import pytest
 
 from slime_rc import RejectionCriterion, RolloutCorrectionConfig, parse_rejection_criteria
 from slime_rc.config.arguments import add_rollout_correction_arguments, resolve_args
-from slime_rc.config.layers import Layer, resolve
+from slime_rc.config.resolution import Layer, resolve
 
 UNKNOWN = ("rs_level='geometrc' is not a rejection option; choose from token, sequence, geometric, token_k1, "
            "token_k2, token_k3, seq_sum_k1, seq_sum_k2, seq_sum_k3, seq_mean_k1, seq_mean_k2, seq_mean_k3, "
@@ -49,7 +49,7 @@ def test_criteria_given_as_objects_reach_the_config_as_they_are():
 
 def test_criteria_above_text_settings_replace_them():
     # a preset gives the text settings; a dict above gives criteria: the criteria win, as any setting above does
-    from slime_rc.config.layers import preset_layer
+    from slime_rc.config.resolution import preset_layer
     crits = (RejectionCriterion("seq_mean_k3", 0.05),)
     cfg = resolve([preset_layer("decoupled_geo_rs"), Layer.from_mapping({"rs": crits})]).config
     assert cfg.rs == crits and cfg.veto_threshold == 1e-4

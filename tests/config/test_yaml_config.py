@@ -12,7 +12,7 @@ import pytest
 
 from slime_rc import RejectionCriterion, RolloutCorrectionConfig
 from slime_rc.config.arguments import add_rollout_correction_arguments, config_from_args
-from slime_rc.config.layers import resolve
+from slime_rc.config.resolution import resolve
 from slime_rc.config.yaml_config import load_yaml_layer
 
 from tests.checks import raises_mentioning as _raises

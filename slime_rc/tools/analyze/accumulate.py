@@ -36,7 +36,7 @@ from slime_rc.correction.metrics import METRICS, _div
 from slime_rc.correction.packed import cu_seqlens_from_lengths, segment_sum
 from slime_rc.config.presets import PRESETS
 from slime_rc.correction.quantiles import QUANTILES, histogram, num_bins, quantiles_from_histogram
-from slime_rc.config.layers import Layer, preset_layer, resolve
+from slime_rc.config.resolution import Layer, preset_layer, resolve
 
 DEFAULT_CHUNK_TOKENS = 1_000_000
 # A token whose ratio pi_train/pi_rollout is below this is "catastrophic" (the presets' veto threshold).
