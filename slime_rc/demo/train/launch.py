@@ -15,7 +15,8 @@ file path does not have.
 
 Rank 0 prints one line per step and writes ``--output-dir``: ``config.json`` (the resolved rollout-correction config
 and the run settings), ``metrics.jsonl`` (one JSON object per step) and TensorBoard event files when tensorboard is
-installed.
+installed; with ``--use-wandb`` it logs to wandb too (:mod:`slime_rc.demo.train.loggers`: slime's flags and key names,
+``train/<key>`` against ``train/step``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 from slime_rc.config.arguments import add_rollout_correction_arguments, resolve_args, tis_function_from_args
 from slime_rc.config.schema import RolloutCorrectionConfig
 from slime_rc.sglang_output import check_sampling_consistency
+from slime_rc.demo.train.loggers import LoggingPlan, add_logging_arguments, open_loggers, plan_logging
 from slime_rc.demo.train.loop import TrainSettings, run_training, settings_dict
 
 # flag -> TrainSettings field (Megatron's spelling for the parallel sizes)
@@ -73,7 +75,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
             kind = {"int": int, "float": float, "str": str}[str(types[name])]
             g.add_argument(flag, dest=name, type=kind, default=default, help=f"default {default}")
     g.add_argument("--nproc", type=int, default=1, help="local processes to spawn (ignored under torchrun)")
-    g.add_argument("--output-dir", default=None, help="where metrics.jsonl, config.json and TensorBoard go")
+    g.add_argument("--output-dir", default=None,
+                   help="where metrics.jsonl, config.json, TensorBoard and (by default) wandb go")
+    add_logging_arguments(parser)
     add_rollout_correction_arguments(parser)
     return parser
 
@@ -101,6 +105,7 @@ class Launch:
     notes: List[str] = field(default_factory=list)  # the resolution's notes (rank 0 prints them)
     tis_function: Optional[Callable] = None  # --custom-tis-function-path, loaded in this process
     load_tis_function: bool = False  # a spawned worker: load it from the launch line's args, once there
+    logging: LoggingPlan = field(default_factory=LoggingPlan)  # TensorBoard / wandb (rank 0 opens them)
 
     def for_spawned_workers(self) -> "Launch":
         """This launch for workers in new processes: the TIS function travels as its spec (in ``args``)."""
@@ -125,7 +130,7 @@ def _worker(rank: int, world: int, init_method: str, args: argparse.Namespace, l
     else:
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
     settings, config = launch.settings, launch.config
-    out, writer = None, None
+    loggers = None
     if rank == 0:
         print(f"slime-rc train: {settings.task} on {settings.digits} digits, {dist.get_world_size()} process(es) "
               f"(tp {settings.tp}, pp {settings.pp}, cp {settings.cp}), mode {config.mode} / "
@@ -135,31 +140,25 @@ def _worker(rank: int, world: int, init_method: str, args: argparse.Namespace, l
         for note in check_sampling_consistency({"temperature": settings.temperature, "top_p": settings.top_p},
                                                settings.temperature, warn=False):
             print(f"note: {note}", flush=True)
+        logging_line = launch.logging.describe()
+        if logging_line:
+            print(logging_line, flush=True)
+        run_config = {"rollout_correction": config.to_dict(), "sources": launch.sources,
+                      "settings": settings_dict(settings)}
         if args.output_dir:
             os.makedirs(args.output_dir, exist_ok=True)
             with open(os.path.join(args.output_dir, "config.json"), "w") as f:
-                json.dump({"rollout_correction": config.to_dict(), "sources": launch.sources,
-                           "settings": settings_dict(settings)}, f, indent=2, default=str)
-            out = open(os.path.join(args.output_dir, "metrics.jsonl"), "w")
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-                writer = SummaryWriter(args.output_dir)
-            except Exception:  # tensorboard is optional
-                writer = None
+                json.dump(run_config, f, indent=2, default=str)
 
     def on_step(m: dict) -> None:
         if rank != 0:
             return
         print(_line(m, settings.num_steps), flush=True)
-        if out is not None:
-            out.write(json.dumps(m) + "\n")
-            out.flush()
-        if writer is not None:
-            for k, v in m.items():
-                if k != "step" and v is not None:
-                    writer.add_scalar(k, v, m["step"])
+        loggers.log(m)
 
     try:
+        if rank == 0:
+            loggers = open_loggers(launch.logging, args.output_dir, run_config)  # metrics.jsonl, TensorBoard, wandb
         history = run_training(settings, config, on_step, tis_function=launch.tis_function_here(args),
                                tis_args=args)
         if rank == 0 and history:
@@ -168,10 +167,8 @@ def _worker(rank: int, world: int, init_method: str, args: argparse.Namespace, l
                   f"{first['exact_fraction']:.0%} -> {last['exact_fraction']:.0%}"
                   + (f"; metrics in {args.output_dir}/metrics.jsonl" if args.output_dir else ""), flush=True)
     finally:
-        if out is not None:
-            out.close()
-        if writer is not None:
-            writer.close()
+        if loggers is not None:
+            loggers.close()
         dist.destroy_process_group()
 
 
@@ -193,6 +190,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         resolution = resolve_args(args)
         settings = _settings(args)
         settings.check(resolution.config)  # refuse a bad configuration before starting anything
+        logging_plan = plan_logging(args)  # a logger asked for but not installed fails here
         if args.rollout_engine == "sglang" and not args.sglang_url:
             raise ValueError("--rollout-engine sglang needs --sglang-url http://host:port")
     except ValueError as e:
@@ -200,7 +198,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     args.rollout_correction_config = resolution.config  # what the custom_tis adapters read (travels with args)
     launch = Launch(settings, resolution.config, sources=dict(resolution.sources), notes=list(resolution.notes),
-                    tis_function=tis_function)
+                    tis_function=tis_function, logging=logging_plan)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         _worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://", args, launch)
         return 0
