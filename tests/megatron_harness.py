@@ -34,8 +34,9 @@ DATA_SEED = 7
 
 # The policy loss of the package (slime_rc.megatron.loss, legacy convention) as two more "conventions":
 # decoupled PPO with the pre-step global-batch correction, and bypass REINFORCE with the in-loss correction.
-POLICY = ("policy_prestep", "policy_bypass", "policy_tis_function", "policy_slime_function")
-PRE, BYP, TISFN, SLIMEFN = POLICY
+# ... and slime's custom loss (slime_rc.slime.policy_loss_function, on slime's batch format, legacy convention)
+POLICY = ("policy_prestep", "policy_bypass", "policy_tis_function", "policy_slime_function", "policy_slime_loss")
+PRE, BYP, TISFN, SLIMEFN, SLIMELOSS = POLICY
 # the TIS-function conventions: the function, loaded by its dotted path as slime loads it
 TIS_FUNCTIONS = {TISFN: "mis", SLIMEFN: "tests.slime_like_tis.compute_weights_with_cp"}
 
@@ -45,17 +46,17 @@ TIS_FUNCTIONS = {TISFN: "mis", SLIMEFN: "tests.slime_like_tis.compute_weights_wi
 # of tp (the 1-process reference never pads).
 LAYOUTS = {
     # 2-process spawn
-    "tp2": (2, dict(tp=2), ("per_token", PRE)),
+    "tp2": (2, dict(tp=2), ("per_token", PRE, SLIMELOSS)),
     "tp2_sp": (2, dict(tp=2, sequence_parallel=True), ("per_token", PRE)),
-    "pp2": (2, dict(pp=2), ("per_token", PRE)),
+    "pp2": (2, dict(pp=2), ("per_token", PRE, SLIMELOSS)),
     "pp2_vpp2": (2, dict(pp=2, vpp=2), ("per_token", "legacy", PRE)),
-    "cp2": (2, dict(cp=2), ("per_token", "legacy", PRE, BYP, TISFN, SLIMEFN)),
-    "dp2": (2, dict(), ("per_token", "legacy", PRE, BYP)),
+    "cp2": (2, dict(cp=2), ("per_token", "legacy", PRE, BYP, TISFN, SLIMEFN, SLIMELOSS)),
+    "dp2": (2, dict(), ("per_token", "legacy", PRE, BYP, SLIMELOSS)),
     "pp2_tied": (2, dict(pp=2), ("per_token",), dict(tie_embeddings=True)),
     # 4-process spawn
     "tp2_pp2": (4, dict(tp=2, pp=2), ("per_token", PRE)),
-    "cp4": (4, dict(cp=4, pad_multiplier=3), ("per_token", PRE, SLIMEFN)),
-    "dp2_cp2": (4, dict(cp=2, pad_multiplier=5), ("per_token", "legacy", PRE, BYP, TISFN)),
+    "cp4": (4, dict(cp=4, pad_multiplier=3), ("per_token", PRE, SLIMEFN, SLIMELOSS)),
+    "dp2_cp2": (4, dict(cp=2, pad_multiplier=5), ("per_token", "legacy", PRE, BYP, TISFN, SLIMELOSS)),
     "tp2_cp2": (4, dict(tp=2, cp=2), ("per_token", BYP)),
     "tp2_cp2_sp": (4, dict(tp=2, cp=2, sequence_parallel=True, pad_multiplier=2), ("per_token",)),
     "pp2_vpp2_dp2": (4, dict(pp=2, vpp=2), ("per_token",)),
@@ -143,7 +144,55 @@ def policy_configs():
         # a function written like slime's example (tests/slime_like_tis.py), settings from slime's args attributes
         SLIMEFN: RolloutCorrectionConfig(is_level="token", is_upper_bound=1.5,
                                          rs=parse_rejection_criteria("token", "0.6_1.7")),
+        # slime's custom loss: decoupled token TIS + RS + veto, with slime's entropy and KL terms around it
+        SLIMELOSS: RolloutCorrectionConfig(is_level="token", veto_threshold=0.05,
+                                           rs=parse_rejection_criteria("token", 1.8)),
     }
+
+
+def _slime_loss_func(config, mbs: List[dict], n_samples: int):
+    """``loss_fn(logits, lmb)`` running slime's custom loss (``slime_rc.slime.policy_loss_function``) on slime's batch
+    format built from the unsharded micro-batches (response = every target; per-token keys cut to this CP rank's
+    zigzag part as slime's actor cuts them), in the legacy convention: slime's per-sample-mean sum scaled by
+    ``M * dp / samples of the global batch``.  Metrics come back as micro-batch values (slime's log holds them times
+    ``samples / cp``)."""
+    import argparse
+
+    from megatron.core import parallel_state as ps
+
+    from slime_rc.megatron.cp_layout import zigzag_slice
+    from slime_rc.megatron.loss import with_sample_fields
+    from slime_rc.slime import policy_loss_function
+
+    cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+    args = argparse.Namespace(rollout_correction_config=config, entropy_coef=0.01, use_kl_loss=True,
+                              kl_loss_coef=0.05, kl_loss_type="low_var_kl", rollout_temperature=TEMPERATURE,
+                              calculate_per_token_loss=False, use_rollout_logprobs=False)
+    batches = []
+    for mb in mbs:
+        s = with_sample_fields(mb)
+        ref = mb["old_log_probs"] + 0.1 * torch.sin(torch.arange(mb["old_log_probs"].numel(), dtype=torch.float32))
+        b = dict(unconcat_tokens=[], total_lengths=s["sample_lengths"], response_lengths=s["sample_response_lengths"],
+                 loss_masks=s["sample_loss_masks"], advantages=[], log_probs=[], rollout_log_probs=[],
+                 ref_log_probs=[], rollout_mask_sums=torch.tensor([float(m.sum()) for m in s["sample_loss_masks"]]))
+        for a, total, resp in zip(mb["cu_seqlens"].tolist(), s["sample_lengths"], s["sample_response_lengths"]):
+            b["unconcat_tokens"].append(mb["tokens"][a:a + total])
+            start = a + total - resp - 1
+            for key, values in (("advantages", mb["advantages"]), ("log_probs", mb["old_log_probs"]),
+                                ("rollout_log_probs", mb["rollout_log_probs"]), ("ref_log_probs", ref)):
+                b[key].append(zigzag_slice(values[start:start + resp].float(), total, resp, cp, cp_rank))
+        batches.append(b)
+    scale = len(mbs) * ps.get_data_parallel_world_size() / n_samples
+    calls = {"i": 0}
+
+    def loss_fn(logits, lmb):
+        b = batches[lmb.get("micro_batch_index", calls["i"] % len(batches))]
+        calls["i"] += 1
+        loss, log = policy_loss_function(args, b, logits.reshape(1, -1, logits.shape[-1]), None)
+        n = len(b["total_lengths"])
+        return loss * scale, {k: v * cp / n for k, v in log.items() if k.startswith("rollout_corr/")}
+
+    return loss_fn
 
 
 def with_policy_fields(batch: List[dict], seed: int = DATA_SEED + 1) -> List[dict]:
@@ -158,7 +207,8 @@ def with_policy_fields(batch: List[dict], seed: int = DATA_SEED + 1) -> List[dic
     return out
 
 
-def _policy_step(M, model, optimizer, mbs: List[dict], convention: str, forward_only: bool = False):
+def _policy_step(M, model, optimizer, mbs: List[dict], convention: str, forward_only: bool = False,
+                 n_samples: int = 0):
     """One step with the package's policy loss (pre-step or in-loss correction), logging log-probs and metrics."""
     from slime_rc.megatron.logprobs import vocab_parallel_log_probs
     from slime_rc.megatron.loss import make_loss_func, prepare_global_batch
@@ -177,7 +227,10 @@ def _policy_step(M, model, optimizer, mbs: List[dict], convention: str, forward_
                    tis_args=argparse.Namespace(tis_upper_bound=None, tis_lower_bound=None, use_tis=None))
     local = M.shard_for_step(model, mbs)
     prepared = prepare_global_batch(local, config) if convention == PRE else None
-    inner = make_loss_func(config, temperature=TEMPERATURE, prepared=prepared, num_microbatches=len(mbs), **tis)
+    if convention == SLIMELOSS:
+        inner = _slime_loss_func(config, mbs, n_samples)
+    else:
+        inner = make_loss_func(config, temperature=TEMPERATURE, prepared=prepared, num_microbatches=len(mbs), **tis)
 
     def loss_fn(logits, lmb):
         loss, metrics = inner(logits, lmb)
@@ -213,8 +266,10 @@ def _run(name: str, kwargs: dict, convention: str, batch: List[dict], rank: int,
         if convention in POLICY:
             batch = with_policy_fields(batch)
 
+            n_samples = sum(mb["cu_seqlens"].numel() - 1 for mb in batch)
+
             def step(opt, mbs, forward_only=False):
-                return _policy_step(M, model, opt, mbs, convention, forward_only)
+                return _policy_step(M, model, opt, mbs, convention, forward_only, n_samples)
         else:
             loss_fn = _loss_fns(global_loss_tokens(batch))[convention]
 

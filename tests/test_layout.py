@@ -6,9 +6,9 @@ Layers, bottom to top (a module may import its own layer and those below, never 
     config, plugins                  what the user sets (knob table, flags, YAML, presets) and TIS-function loading
     correction                       the correction engine over packed tensors (torch.distributed: reducer.py only)
     losses, diffusion, sglang_output the policy losses, FlowGRPO's layout, SGLang's output read as tensors
-    slime                            slime's semantics (its keys, its example mis.py, its attributes)
     megatron                         what runs inside a Megatron job (vocab-parallel log-probs, the zigzag, the loss)
-    custom_tis, testing              the slime surface (slime loads it by path); the per-sequence test reference
+    slime                            what slime loads from slime_rc (the custom loss) and slime's semantics on its keys
+    custom_tis, testing              the TIS functions slime loads by path; the per-sequence test reference
     tools                            offline: analyze, dump, estimator study
     demo                             the CPU demo trainer: tiny model, CPU patches, CP attention, rollout engines
     cli                              the command line
@@ -28,8 +28,8 @@ LAYERS = [
     ("slime_rc.config", "slime_rc.plugins"),
     ("slime_rc.correction",),
     ("slime_rc.losses", "slime_rc.diffusion", "slime_rc.sglang_output"),
-    ("slime_rc.slime",),
     ("slime_rc.megatron",),
+    ("slime_rc.slime",),
     ("custom_tis", "slime_rc.testing"),
     ("slime_rc.tools",),
     ("slime_rc.demo",),

@@ -25,7 +25,7 @@ Everything else is derived from these two tables, below and where it is used:
   ``OTHER_FLAGS``, ``SLIME_OWNED_FLAGS``), ``slime-rc config``'s rows (:mod:`slime_rc.cli`) and the flag table of
   docs/usage.md (tests/test_docs.py);
 * slime's keys and defaults (:mod:`slime_rc.slime.settings`: ``MIS_KEYS``, ``ALIASES``, ``DEFAULT_RULES``, ...) and
-  the attributes slime's ``args`` carries (:mod:`slime_rc.slime.attributes`).
+  the attributes slime's ``args`` carries (:mod:`slime_rc.config.slime_attributes`).
 """
 
 from __future__ import annotations
@@ -327,6 +327,7 @@ LAUNCH_FLAGS: Tuple[Flag, ...] = (
 KNOB: Dict[str, Knob] = {k.key: k for k in KNOBS}
 SETTINGS: Tuple[str, ...] = tuple(KNOB)
 ENGINE_KEYS: Tuple[str, ...] = tuple(k.key for k in KNOBS if k.group == "engine")
+MIS_KEYS: Tuple[str, ...] = tuple(k.key for k in KNOBS if k.mis is not None)  # the keys slime's example mis.py reads
 
 # config field <- the settings it is built from, in table order
 FIELD_SETTINGS: Dict[str, Tuple[str, ...]] = {}

@@ -211,16 +211,18 @@ def _sequence_terms(seqs: SequenceStats, decisions: SequenceDecisions, config: R
 
 
 def _pack(values: List[Number], device) -> Tuple[torch.Tensor, List[int]]:
-    """One float64 vector of 0-d tensors and Python numbers: the tensors first (one stack, which promotes them to
-    float64), then the numbers (one host-to-device copy); and the index in ``values`` of each entry."""
-    order = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
-    n_tensors = len(order)
-    order += [i for i, v in enumerate(values) if not isinstance(v, torch.Tensor)]
-    tensors = [values[i] for i in order[:n_tensors]]
-    numbers = [float(values[i]) for i in order[n_tensors:]]
-    parts = ([torch.stack(tensors).double()] if tensors else []) + \
-        [torch.tensor(numbers, dtype=torch.float64, device=device)]
-    return torch.cat(parts), order
+    """One float64 vector of 0-d tensors and Python numbers, in the order of ``values`` (the tensors in one stack,
+    the numbers in one host-to-device copy); and the index in ``values`` of each entry.  The order must not depend on
+    which leaves are tensors: that differs between ranks (a rank holding none of some tokens has numbers there), and
+    the collectives add / take the maximum position by position."""
+    tensors = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+    numbers = [i for i, v in enumerate(values) if not isinstance(v, torch.Tensor)]
+    out = torch.empty(len(values), dtype=torch.float64, device=device)
+    if tensors:
+        out[tensors] = torch.stack([values[i] for i in tensors]).double().to(device)
+    if numbers:
+        out[numbers] = torch.tensor([float(values[i]) for i in numbers], dtype=torch.float64, device=device)
+    return out, list(range(len(values)))
 
 
 def _unpack(reduced: List[float], order: List[int]) -> List[float]:

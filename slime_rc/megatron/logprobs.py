@@ -16,9 +16,14 @@ from __future__ import annotations
 import torch
 
 
-def vocab_parallel_log_probs(logits: torch.Tensor, target: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def vocab_parallel_log_probs(logits: torch.Tensor, target: torch.Tensor, temperature: float = 1.0, *,
+                             with_entropy: bool = False):
     """``logits [..., V_local]`` (this rank's vocab shard), ``target [...]`` global token ids -> ``[...]`` float32
-    log-probs.  Uses megatron-core's tensor-parallel group when it is initialized with size > 1."""
+    log-probs.  Uses megatron-core's tensor-parallel group when it is initialized with size > 1.
+
+    ``with_entropy``: also the entropy of each position's distribution over the whole vocabulary, ``H = log S -
+    U / S`` with ``S = sum exp(z - m)``, ``U = sum exp(z - m) (z - m)`` (one more all-reduce, identity backward):
+    returns ``(log_probs, entropy)``."""
     if not temperature > 0:
         raise ValueError(f"temperature={temperature!r} must be > 0 (use the rollout engine's sampling temperature)")
     z = logits.float() / temperature
@@ -33,12 +38,19 @@ def vocab_parallel_log_probs(logits: torch.Tensor, target: torch.Tensor, tempera
     in_shard = (target >= start) & (target < start + v_local)
     local = torch.where(in_shard, target - start, torch.zeros_like(target))
     target_logit = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1) * in_shard
-    sum_exp = shifted.exp().sum(dim=-1)
+    exp = shifted.exp()
+    sum_exp = exp.sum(dim=-1)
+    weighted = (exp * shifted).sum(dim=-1) if with_entropy else None
     if tp_size > 1:
         from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
         target_logit = reduce_from_tensor_model_parallel_region(target_logit)
         sum_exp = reduce_from_tensor_model_parallel_region(sum_exp)
-    return target_logit - sum_exp.log()
+        if with_entropy:
+            weighted = reduce_from_tensor_model_parallel_region(weighted)
+    log_probs = target_logit - sum_exp.log()
+    if with_entropy:
+        return log_probs, sum_exp.log() - weighted / sum_exp
+    return log_probs
 
 
 def _tensor_parallel():

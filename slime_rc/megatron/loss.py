@@ -156,7 +156,7 @@ def tis_function_correction(tis_function: Callable, args, micro_batch: Dict[str,
     with ``pg_loss = 1`` on this rank's response tokens (so the ``pg_loss * weights`` it returns is the weights),
     the log-probs of this rank's response tokens per sample (CP-local, slime's zigzag positions:
     :func:`slime_rc.megatron.cp_layout.zigzag_response_indices`), the *full-length* ``torch.int`` loss masks, and ``args``
-    = :func:`slime_rc.slime.attributes.with_slime_attributes` ``(args, config)`` when ``config`` is given (a copy;
+    = :func:`slime_rc.config.slime_attributes.with_slime_attributes` ``(args, config)`` when ``config`` is given (a copy;
     the caller's ``args`` is not modified).
 
     What it returns: ``pg_loss`` CP-local (as given); ``masks`` one per sample, **full response length** (slime's
@@ -179,7 +179,7 @@ def tis_function_correction(tis_function: Callable, args, micro_batch: Dict[str,
                          f"slime_rc.megatron.loss.with_sample_fields on it before CP sharding")
     name = _function_name(tis_function)
     if config is not None:
-        from slime_rc.slime.attributes import with_slime_attributes
+        from slime_rc.config.slime_attributes import with_slime_attributes
         args = with_slime_attributes(args, config)
     per_token_loss = bool(getattr(args, "calculate_per_token_loss", False))
     cp_size, cp_rank = int(micro_batch.get("cp_size", 1)), int(micro_batch.get("cp_rank", 0))

@@ -27,14 +27,13 @@ from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 from slime_rc.config._text import did_you_mean
-from slime_rc.config.knobs import ENGINE_KEYS, IS_LEVELS, IS_MODES, KNOB, KNOBS, dest_of
+from slime_rc.config.knobs import ENGINE_KEYS, IS_LEVELS, IS_MODES, KNOB, KNOBS, MIS_KEYS, dest_of
 
 LEVELS = IS_LEVELS  # slime's example knows the three k1 levels for IS and RS alike
 MODES = IS_MODES
 
 # slime's mis keys (the knobs of slime_rc.config.knobs that slime's example mis.py reads), by how slime reads them,
 # and the older ``mis_*`` spellings of the first ones (slime's earlier mis.yaml).
-MIS_KEYS = tuple(k.key for k in KNOBS if k.mis is not None)
 BOOL_KEYS = tuple(k for k in MIS_KEYS if KNOB[k].boolean)
 # rs_level: slime's example takes the IS levels only; the other RS options go to slime-rc's engine (beyond_slime)
 CHOICE_KEYS = {k: (KNOB[k].choices or LEVELS) for k in MIS_KEYS if KNOB[k].choices or k == "rs_level"}

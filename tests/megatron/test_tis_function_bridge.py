@@ -1,5 +1,5 @@
 """A function written to slime's TIS contract inside ``slime_rc.megatron.loss``: the ``args`` it gets
-(``slime_rc.slime.attributes``), its full-length masks cut to each CP rank's zigzag positions, its errors, and
+(``slime_rc.config.slime_attributes``), its full-length masks cut to each CP rank's zigzag positions, its errors, and
 slime's reduction of its metrics -- one process, CP ranks laid out by hand with ``slime_rc.megatron.cp_layout`` (the
 multi-process runs are in ``tests/megatron/test_loss_layouts.py`` and ``tests/demo/test_train_loop.py``)."""
 
@@ -16,7 +16,7 @@ from slime_rc.config.schema import RS_OPTIONS
 from slime_rc.megatron.cp_layout import packed_zigzag_positions, zigzag_response_indices, zigzag_slice
 from slime_rc.megatron.loss import (TIS_FUNCTION_METRICS, reduce_tis_function_metrics, tis_function_correction,
                                     with_sample_fields)
-from slime_rc.slime.attributes import SLIME_ATTRIBUTES, slime_attributes, with_slime_attributes
+from slime_rc.config.slime_attributes import SLIME_ATTRIBUTES, slime_attributes, with_slime_attributes
 
 CONFIGS = {
     "default_token": RolloutCorrectionConfig(is_level="token"),

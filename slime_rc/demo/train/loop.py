@@ -229,7 +229,7 @@ def run_training(settings: TrainSettings, config: RolloutCorrectionConfig,
     ``tis_function`` (``--custom-tis-function-path``, slime's contract): the weights and keep mask come from it, in
     the loss (so decoupled mode then uses the in-loss path, not the pre-step one).  It is called with a copy of
     ``tis_args`` carrying slime's attributes resolved from ``config``
-    (:func:`slime_rc.slime.attributes.with_slime_attributes`), and sees slime's ``total_lengths`` /
+    (:func:`slime_rc.config.slime_attributes.with_slime_attributes`), and sees slime's ``total_lengths`` /
     ``response_lengths`` (prompt + response, response) of every sample."""
     from megatron.core import parallel_state as ps
 

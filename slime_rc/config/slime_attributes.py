@@ -47,9 +47,8 @@ import argparse
 import copy
 from typing import Any, Dict
 
-from slime_rc.config.knobs import KNOB_FLAGS
+from slime_rc.config.knobs import KNOB_FLAGS, MIS_KEYS
 from slime_rc.config.schema import RolloutCorrectionConfig
-from slime_rc.slime.settings import MIS_KEYS
 
 # the k1 options slime's own level names stand for (same statistic, same aggregation)
 _SLIME_LEVEL = {"token_k1": "token", "seq_sum_k1": "sequence", "seq_mean_k1": "geometric"}
