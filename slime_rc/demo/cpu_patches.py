@@ -11,12 +11,20 @@ tiny-GPT training step of ``slime_rc.demo.model`` (the first failure is quoted):
 1. ``torch.cuda.current_device`` -> ``"cpu"`` and ``torch.cuda.synchronize`` -> no-op.  Megatron allocates with
    ``device=torch.cuda.current_device()`` (DDP's ``_ParamAndGradBuffer``, p2p receive buffers) and synchronises
    around p2p.  Without it: ``AssertionError: Torch not compiled with CUDA enabled`` (DDP construction).
+   ``torch.cuda.current_stream`` -> ``torch.cpu.current_stream()`` (whose ``wait_event`` / ``wait_stream`` are
+   no-ops): megatron-core 0.19's ``_ParamAndGradBucketGroup.start_grad_sync`` takes the current stream on every
+   gradient sync (to wait for CUDA-graph events).  Without it (0.19.2, torch 2.15 CUDA build on a machine without
+   a GPU): ``RuntimeError: Found no NVIDIA driver on your system`` from ``torch.cuda.current_stream()`` in
+   ``start_grad_sync``; 0.16 never calls it here.
 2. Tensor factories ``torch.zeros / ones / empty / full / tensor / arange`` called with ``device="cuda"`` (or a
    ``torch.device("cuda")`` or an int GPU index) allocate on the CPU instead, and ``pin_memory=True`` is dropped.
    Hit by the optimizer (``FP32Optimizer._scale = torch.tensor([1.0], device='cuda')``), the schedules' token
    counter, the grad-norm helpers; megatron's non-packed CP RoPE asks for ``pin_memory=True``.
    Without it: ``AssertionError: Torch not compiled with CUDA enabled`` (``get_megatron_optimizer``), resp.
-   ``RuntimeError: pin_memory=True requires a CUDA or other accelerator backend``.
+   ``RuntimeError: pin_memory=True requires a CUDA or other accelerator backend``.  PyTorch's cached set of
+   factory functions that ``with torch.device(...)`` redirects is filled with the originals first; filled after
+   the swap it would hold the wrappers, and ``torch.tensor`` & co. would ignore a ``meta`` / ``cpu`` device
+   context from then on (tests/demo/test_cpu_patches.py).
 3. ``Tensor.cuda`` -> identity.  Used when the last pipeline stage sets up its copy of tied word embeddings (and by
    megatron's non-packed CP RoPE slicing).  Without it (PP2 with ``tie_embeddings=True``):
    ``AssertionError: Torch not compiled with CUDA enabled``.
@@ -83,6 +91,10 @@ def _cpu_factory(fn):
 
     wrapper._slime_rc_cpu_patch = True
     return wrapper
+
+
+def _cpu_current_stream(device: Any = None) -> "torch.cpu.Stream":
+    return torch.cpu.current_stream()  # its wait_event / wait_stream / record_event are no-ops
 
 
 def _tensor_cuda_identity(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
@@ -155,11 +167,21 @@ def apply_cpu_patches() -> bool:
     if _APPLIED:
         return True
 
-    # 1. current device / synchronize
+    # 1. current device / synchronize / current stream
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda device=None: None
+    torch.cuda.current_stream = _cpu_current_stream
 
-    # 2. tensor factories
+    # 2. tensor factories.  First fill PyTorch's cached set of factory functions (``torch.utils._device``'s
+    # ``lru_cache``d ``_device_constructors``, read by ``with torch.device(...)`` and ``torch.set_default_device``)
+    # with the ORIGINAL functions: filled after the swap it would hold our wrappers, and a device context would no
+    # longer recognise ``torch.tensor`` & co. (the mode sees the original function) -- tensors made under
+    # ``with torch.device("meta")`` would land on the CPU (transformers' rotary ``inv_freq`` came out as garbage).
+    try:
+        import torch.utils._device as torch_device_mode  # not imported by ``import torch``: import it to fill it
+    except ImportError:
+        torch_device_mode = None
+    getattr(torch_device_mode, "_device_constructors", lambda: None)()
     for name in _FACTORIES:
         fn = getattr(torch, name)
         if not getattr(fn, "_slime_rc_cpu_patch", False):

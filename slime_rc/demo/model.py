@@ -61,7 +61,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import importlib.util
 import re
+import sys
+import warnings
 import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -70,6 +73,31 @@ import torch
 import torch.distributed as dist
 
 from slime_rc.demo.cpu_patches import apply_cpu_patches
+
+# megatron-core warns once per module, on import, that Transformer Engine / Apex are missing (6 warnings, 12 stderr
+# lines with megatron-core 0.16-0.19): "Apex is not installed. Falling back to Torch Norm", "Transformer Engine and
+# Apex are not installed. Falling back to Torch optimizers." / "... to local implementations of multi_tensor_...".
+# The demo silences exactly those and says it once instead (:func:`megatron_fallbacks_line`, printed by rank 0 in
+# :func:`initialize_parallel`).
+def quiet_megatron_fallback_warnings() -> None:
+    """Ignore megatron-core's missing-TE/Apex warnings (by message and megatron module, nothing else) in this
+    process.  They are raised when megatron is first imported: call this before that (importing this module does)."""
+    warnings.filterwarnings("ignore", message=r"(Transformer Engine and Apex are|Apex is) not installed\. Falling "
+                            r"back to ", category=UserWarning, module=r"(megatron\.core|megatron_fsdp)(\.|$)")
+
+
+quiet_megatron_fallback_warnings()
+_FALLBACKS_SAID = False
+
+
+def megatron_fallbacks_line() -> Optional[str]:
+    """The one line that replaces megatron-core's missing-TE/Apex warnings, or None when both are installed."""
+    missing = [name for name, module in (("Transformer Engine", "transformer_engine"), ("Apex", "apex"))
+               if importlib.util.find_spec(module) is None]
+    if not missing:
+        return None
+    return (f"slime-rc demo: {' and '.join(missing)} not installed; megatron-core uses its local fallbacks (torch "
+            f"norms and optimizers, local multi-tensor ops)")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -120,7 +148,7 @@ def initialize_parallel(tp: int = 1, pp: int = 1, cp: int = 1, vpp: Optional[int
     ``world / (tp * pp * cp)``.  Call :func:`destroy_parallel` before initialising another layout.
     ``pad_multiplier``: slime's ``get_batch(pad_multiplier=...)`` -- each rank's packed stream is padded at its end
     to a multiple of ``tp * pad_multiplier`` (:func:`shard_micro_batch`); slime's default is 128, 1 pads least."""
-    global _LAYOUT
+    global _LAYOUT, _FALLBACKS_SAID
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -136,6 +164,11 @@ def initialize_parallel(tp: int = 1, pp: int = 1, cp: int = 1, vpp: Optional[int
         raise ValueError(f"vpp={vpp} (virtual pipeline) needs pp > 1; raise pp or drop vpp")
     vpp = vpp if vpp and vpp > 1 else None
     apply_cpu_patches()
+    if not _FALLBACKS_SAID and dist.get_rank() == 0:
+        _FALLBACKS_SAID = True
+        line = megatron_fallbacks_line()
+        if line:
+            print(line, file=sys.stderr, flush=True)
     if ps.model_parallel_is_initialized():
         raise RuntimeError("model parallel already initialised: call destroy_parallel() first")
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,

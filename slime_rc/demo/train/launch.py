@@ -118,6 +118,9 @@ class Launch:
 
 def _worker(rank: int, world: int, init_method: str, args: argparse.Namespace, launch: Launch) -> None:
     import torch.distributed as dist
+
+    from slime_rc.demo.model import quiet_megatron_fallback_warnings
+    quiet_megatron_fallback_warnings()  # before megatron's first import (in run_training)
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     if not torch.cuda.is_available():
         torch.set_num_threads(1)
