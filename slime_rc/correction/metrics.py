@@ -13,7 +13,7 @@ Conventions (all metrics are global over the reducer's batch group):
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
 
@@ -210,11 +210,11 @@ def _sequence_terms(seqs: SequenceStats, decisions: SequenceDecisions, config: R
     return terms, extreme_columns
 
 
-def _pack(values: List[Number], device) -> Tuple[torch.Tensor, List[int]]:
+def _pack(values: List[Number], device) -> torch.Tensor:
     """One float64 vector of 0-d tensors and Python numbers, in the order of ``values`` (the tensors in one stack,
-    the numbers in one host-to-device copy); and the index in ``values`` of each entry.  The order must not depend on
-    which leaves are tensors: that differs between ranks (a rank holding none of some tokens has numbers there), and
-    the collectives add / take the maximum position by position."""
+    the numbers in one host-to-device copy).  The order must not depend on which leaves are tensors: that differs
+    between ranks (a rank holding none of some tokens has numbers there), and the collectives add / take the maximum
+    position by position."""
     tensors = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
     numbers = [i for i, v in enumerate(values) if not isinstance(v, torch.Tensor)]
     out = torch.empty(len(values), dtype=torch.float64, device=device)
@@ -222,13 +222,6 @@ def _pack(values: List[Number], device) -> Tuple[torch.Tensor, List[int]]:
         out[tensors] = torch.stack([values[i] for i in tensors]).double().to(device)
     if numbers:
         out[numbers] = torch.tensor([float(values[i]) for i in numbers], dtype=torch.float64, device=device)
-    return out, list(range(len(values)))
-
-
-def _unpack(reduced: List[float], order: List[int]) -> List[float]:
-    out = [0.0] * len(order)
-    for position, i in enumerate(order):
-        out[i] = reduced[position]
     return out
 
 
@@ -236,7 +229,7 @@ def _reduce(token: TokenTotals, hist: Optional[torch.Tensor], terms: SequenceTot
             reducer: LocalReducer, batch: PackedBatch) -> BatchTotals:
     """Collectives 2 and 3: this rank's totals (records of local values) -> the batch's (records of floats)."""
     dev = batch.device
-    head, head_order = _pack(leaves(token), dev)
+    head = _pack(leaves(token), dev)
     columns = leaves(terms)
     # Sequence-level totals are identical on every rank of a sequence group: exactly one rank counts them.
     if batch.n_seqs and reducer.counts_sequences:
@@ -246,10 +239,9 @@ def _reduce(token: TokenTotals, hist: Optional[torch.Tensor], terms: SequenceTot
     parts = [head] + ([hist] if hist is not None else []) + [seq_sums]
     sums = reducer.sum_totals(torch.cat(parts))  # collective 2
     chunks = sums.split([p.numel() for p in parts])
-    token = with_leaves(token, _unpack(chunks[0].tolist(), head_order))
+    token = with_leaves(token, chunks[0].tolist())
     terms = with_leaves(terms, chunks[-1].tolist())
-    max_vector, max_order = _pack(leaves(extremes), dev)
-    extremes = with_leaves(extremes, _unpack(reducer.max_totals(max_vector).tolist(), max_order))  # collective 3
+    extremes = with_leaves(extremes, reducer.max_totals(_pack(leaves(extremes), dev)).tolist())  # collective 3
     return BatchTotals(tokens=token, seqs=terms, extremes=extremes, histogram=chunks[1] if hist is not None else None)
 
 
