@@ -102,6 +102,14 @@ def packed_cu_seqlens(lengths: Sequence[int], cp_size: int, padding: int = 0) ->
     return torch.tensor([0] + padded, dtype=torch.int64).cumsum(0).to(torch.int32)
 
 
+def response_positions(positions: torch.Tensor, total_length: int, response_length: int):
+    """``(holds, j)`` for token ``positions`` of one sequence: response log-prob ``j`` sits at position
+    ``prompt_length - 1 + j`` (it scores token ``prompt_length + j``), so ``j = position - (total - response - 1)``;
+    ``holds`` marks the positions with ``0 <= j < response_length``."""
+    j = positions - (total_length - response_length - 1)
+    return (j >= 0) & (j < response_length), j
+
+
 def zigzag_response_indices(total_length: int, response_length: int, cp_size: int, cp_rank: int,
                             device=None) -> torch.Tensor:
     """Indices ``j`` (int64, increasing) of the response log-probs held by ``cp_rank``."""
@@ -110,9 +118,9 @@ def zigzag_response_indices(total_length: int, response_length: int, cp_size: in
     _check_rank(cp_size, cp_rank)
     if cp_size == 1:
         return torch.arange(response_length, dtype=torch.int64, device=device)
-    # response log-prob j sits at position prompt_length - 1 + j
-    j = zigzag_token_positions(total_length, cp_size, cp_rank, device) - (total_length - response_length - 1)
-    return j[(j >= 0) & (j < response_length)]
+    holds, j = response_positions(zigzag_token_positions(total_length, cp_size, cp_rank, device), total_length,
+                                  response_length)
+    return j[holds]
 
 
 def zigzag_slice(values: torch.Tensor, total_length: int, response_length: int, cp_size: int,

@@ -171,7 +171,7 @@ def tis_function_correction(tis_function: Callable, args, micro_batch: Dict[str,
 
     ``micro_batch``: this rank's tokens with ``position_ids``, ``cp_size`` / ``cp_rank`` and the fields of
     :func:`with_sample_fields`."""
-    from slime_rc.megatron.cp_layout import zigzag_response_indices
+    from slime_rc.megatron.cp_layout import response_positions, zigzag_response_indices
 
     missing = [k for k in ("position_ids", "sample_lengths", "sample_loss_masks") if k not in micro_batch]
     if missing:
@@ -195,8 +195,7 @@ def tis_function_correction(tis_function: Callable, args, micro_batch: Dict[str,
     picks, held = [], []
     for i, (total, resp) in enumerate(zip(lengths, responses)):
         rows = torch.arange(cu[i], cu[i + 1])
-        j = pos[cu[i]:cu[i + 1]] - (total - resp - 1)  # response log-prob j sits at position prompt - 1 + j
-        keep = (j >= 0) & (j < resp)
+        keep, j = response_positions(pos[cu[i]:cu[i + 1]], total, resp)
         want = zigzag_response_indices(total, resp, cp_size, cp_rank)
         if not torch.equal(j[keep].cpu(), want):
             raise RuntimeError(f"sample {i} (total {total}, response {resp}): this rank holds response positions "

@@ -50,7 +50,7 @@ from slime_rc.correction.engine import compute_rollout_correction
 from slime_rc.correction.packed import cu_seqlens_from_lengths
 from slime_rc.correction.reducer import megatron_context_parallel
 from slime_rc.losses import LossNormalizer, compute_policy_loss, loss_normalizer
-from slime_rc.megatron.cp_layout import zigzag_token_positions
+from slime_rc.megatron.cp_layout import response_positions, zigzag_token_positions
 from slime_rc.megatron.logprobs import vocab_parallel_log_probs
 
 PATH = "slime_rc.slime.policy_loss_function"
@@ -141,8 +141,7 @@ class _Layout:
                                  f"{tok.numel()} unconcat_tokens and a loss mask of {mask.numel()}: a response "
                                  f"needs a prompt of >= 1 token, the tokens and a full-length mask")
             pos = zigzag_token_positions(total, cp_size, cp_rank, device=tok.device)
-            j = pos - (total - resp - 1)  # response log-prob j sits at position prompt_length - 1 + j
-            here = (j >= 0) & (j < resp)
+            here, j = response_positions(pos, total, resp)
             rows.append(offset + torch.nonzero(here).reshape(-1))
             targets.append(tok.reshape(-1)[pos[here] + 1].long())
             held.append(j[here])
