@@ -251,7 +251,7 @@ KNOBS: Tuple[Knob, ...] = (
          shown_default="1/upper", parse=number, needs="use_tis", mis="1 / tis_upper_bound",
          mis_alias="mis_lower_bound",
          spellings=(Spelling("tis_clip_low", flag="--tis-clip-low", slime_defines=dict(type=float, default=0),
-                             help="slime's older spelling of --tis-lower-bound (0 = no lower bound, truncate mode)"),
+                             help="slime's older spelling of --tis-lower-bound (0 = no lower bound, truncate mode; without --tis-mode a positive value means clip mode)"),
                     Spelling("rollout_is_threshold_lower", VERL))),
     Knob("tis_batch_normalize", "is_batch_normalize", "is", "normalize IS weights to mean 1 over the global batch",
          "--tis-batch-normalize", default=False, boolean=True, needs="use_tis", mis="false",

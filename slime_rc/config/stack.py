@@ -172,14 +172,20 @@ class Stack:
         if self.get("use_tis"):
             kwargs["is_level"] = self.get("tis_level") or KNOB["tis_level"].default
         lower = kwargs.pop("is_lower_bound", None)
+        mode = self.get("tis_mode") or KNOB["tis_mode"].default
         if lower is not None and lower == 0:
             # slime's --tis-clip-low 0 means "no lower clip": exactly truncate mode
-            if (self.get("tis_mode") or KNOB["tis_mode"].default) != "truncate":
+            if mode != "truncate":
                 raise ValueError(f"{self.given('tis_lower_bound')} means no lower bound, which only "
                                  f"is_mode='truncate' has; give a positive lower bound for mode "
                                  f"{self.get('tis_mode')!r}, or leave it unset (1/upper).")
         elif lower is not None:
             kwargs["is_lower_bound"] = lower
+            if mode == "truncate" and "tis_mode" not in self.values:
+                # a lower bound without a mode clamps from below, as slime's --tis-clip-low does (its
+                # vanilla_tis_function clamps to [tis_clip_low, tis_clip]); a mode given as truncate keeps the bound
+                # unused, as slime's example mis.yaml documents ("for truncate mode, it will not be used")
+                kwargs["is_mode"] = "clip"
         if self.get("use_rs"):
             kwargs["rs"] = self._rejection()
         if self.get("use_rollout_logprobs"):
@@ -215,6 +221,8 @@ class Stack:
             # decoupled vs standard follows from whether anything corrects
             sources["mode"] = "derived: decoupled iff IS/RS/veto is set" + (
                 f" (not bypass: {sources['mode']})" if sources["mode"] != "default" else "")
+        if "tis_mode" not in self.owner and "tis_lower_bound" in self.owner and config.is_mode == "clip":
+            sources["is_mode"] = f"derived: clip, from the lower bound {sources['is_lower_bound']}"
         return sources
 
     def where(self, message: str) -> str:

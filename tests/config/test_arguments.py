@@ -205,6 +205,16 @@ def test_tis_clip_low_zero_means_no_lower_bound_in_truncate_mode():
         assert cfg == RolloutCorrectionConfig(is_level="token", is_mode="truncate", is_upper_bound=2.0)
 
 
+@pytest.mark.parametrize("flag", ["--tis-clip-low", "--tis-lower-bound"])
+def test_positive_lower_bound_without_a_mode_means_clip(flag):
+    """slime's --use-tis --tis-clip-low 0.1 clamps to [0.1, tis_clip]; truncate mode would drop the bound."""
+    cfg = _config(["--use-tis", flag, "0.1"])
+    assert (cfg.is_mode, cfg.is_lower_bound, cfg.is_lower) == ("clip", 0.1, 0.1)
+    assert _config(["--use-tis", "--tis-mode", "mask", flag, "0.1"]).is_mode == "mask"
+    kept = _config(["--use-tis", "--tis-mode", "truncate", flag, "0.1"])  # slime's mis.yaml: unused in truncate mode
+    assert kept.is_mode == "truncate"
+
+
 @pytest.mark.parametrize("mode", ["clip", "mask"])
 def test_tis_clip_low_zero_refused_outside_truncate(mode):
     _raises(lambda: _config(["--use-tis", "--tis-mode", mode, "--tis-clip-low", "0"]),

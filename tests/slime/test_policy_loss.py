@@ -209,12 +209,18 @@ def test_decoupled_token_tis_equals_slime_builtin_tis(clip, per_token):
     assert any(k.startswith("rollout_corr/") for k in ours[2])
 
 
-def test_slime_tis_clip_low_is_clip_mode():
-    """slime's built-in TIS clamps from below with --tis-clip-low; slime-rc's truncate mode does not: the same
-    weights need ``tis_mode: clip``."""
+@pytest.mark.parametrize("per_token", [False, True], ids=["per_sample", "per_token"])
+def test_slime_tis_clip_low_clamps_from_below_as_slime_does(per_token):
+    """slime's built-in TIS clamps to [tis_clip_low, tis_clip]: slime's own flags alone give slime's weights (a lower
+    bound without a mode means clip), and a low bound that bites changes the loss (the check could fail)."""
     batch, logits = make_batch(2)
-    args = slime_args(use_tis=True, tis_clip=2.0, tis_clip_low=0.8, tis_mode="clip")
-    check(*run_both(args, batch, logits), SLIME_KEYS + ("ois",))
+    args = slime_args(use_tis=True, tis_clip=2.0, tis_clip_low=0.95, calculate_per_token_loss=per_token)
+    ours, ref = run_both(args, batch, logits)
+    check(ours, ref, SLIME_KEYS + ("ois",))
+    config = args.rollout_correction_config
+    assert (config.is_mode, config.is_lower_bound, config.is_upper_bound) == ("clip", 0.95, 2.0)
+    truncated, _ = run_both(slime_args(use_tis=True, tis_clip=2.0, calculate_per_token_loss=per_token), batch, logits)
+    assert abs(float(truncated[0]) - float(ours[0])) > 1e-6  # the lower clamp bites on this batch
 
 
 @pytest.mark.parametrize("per_token", [False, True], ids=["per_sample", "per_token"])
