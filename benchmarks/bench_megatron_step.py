@@ -2,6 +2,11 @@
 what bypass mode saves over decoupled mode, and the correction's own share of a step.
 
     python benchmarks/bench_megatron_step.py [--steps 7] [--micro-batches 8] [--hidden 64] [--layers 4]
+                                             [--loss megatron|slime]
+
+``--loss slime`` runs the training step's loss through slime's custom loss (``slime_rc.slime.policy_loss_function``
+on slime's batch format, as slime's ``--loss-type custom_loss`` calls it) instead of ``make_loss_func``; there the
+decoupled correction is per micro-batch (slime has no pre-step hook) and ``prepare`` is 0.
 
 Per step, median over ``--steps`` (after one warm-up step):
 
@@ -51,12 +56,54 @@ def make_batch(n_micro_batches: int, vocab: int, seed: int = 0):
     return out
 
 
+def slime_batches(mbs):
+    """Each packed micro-batch in slime's batch format (every target a response token; 1 process: no CP cut)."""
+    from slime_rc.megatron.loss import with_sample_fields
+
+    out = []
+    for mb in mbs:
+        s = with_sample_fields(mb)
+        b = dict(unconcat_tokens=[], total_lengths=s["sample_lengths"], response_lengths=s["sample_response_lengths"],
+                 loss_masks=s["sample_loss_masks"], advantages=[], log_probs=[], rollout_log_probs=[])
+        for a, total, resp in zip(mb["cu_seqlens"].tolist(), s["sample_lengths"], s["sample_response_lengths"]):
+            b["unconcat_tokens"].append(mb["tokens"][a:a + total])
+            start = a + total - resp - 1
+            for key, field in (("advantages", "advantages"), ("log_probs", "old_log_probs"),
+                               ("rollout_log_probs", "rollout_log_probs")):
+                if field in mb:
+                    b[key].append(mb[field][start:start + resp].float())
+        if not b["log_probs"]:
+            del b["log_probs"]
+        out.append(b)
+    return out
+
+
+def slime_loss_func(config, mbs, n_samples: int):
+    """``loss_fn(logits, lmb)``: slime's custom loss on micro-batch ``lmb``'s slime batch, slime's per-sample scaling."""
+    from slime_rc.slime import policy_loss_function
+
+    args = argparse.Namespace(rollout_correction_config=config, rollout_temperature=TEMPERATURE, entropy_coef=0.0,
+                              use_kl_loss=False, calculate_per_token_loss=False,
+                              use_rollout_logprobs=config.mode == "bypass")
+    batches, scale, calls = slime_batches(mbs), len(mbs) / n_samples, {"i": 0}
+
+    def loss_fn(logits, lmb):
+        b = batches[lmb.get("micro_batch_index", calls["i"] % len(batches))]
+        calls["i"] += 1
+        loss, log = policy_loss_function(args, b, logits.reshape(1, -1, logits.shape[-1]), None)
+        return loss * scale, log
+
+    return loss_fn
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--micro-batches", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--loss", choices=("megatron", "slime"), default="megatron",
+                        help="the step's loss: slime_rc.megatron.loss.make_loss_func, or slime's custom loss")
     args = parser.parse_args()
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     torch.set_num_threads(1)
@@ -100,12 +147,15 @@ def main() -> None:
                 mbs = recompute(batch)
                 t_re = time.perf_counter() - t0
             local = M.shard_for_step(model, mbs)
-            if config.mode == "decoupled":
-                t1 = time.perf_counter()
-                prepared = prepare_global_batch(local, config)
-                t_prep = time.perf_counter() - t1
-            loss_fn = make_loss_func(config, temperature=TEMPERATURE, prepared=prepared,
-                                     num_microbatches=len(mbs))
+            if args.loss == "slime":
+                loss_fn = slime_loss_func(config, mbs, sum(mb["cu_seqlens"].numel() - 1 for mb in mbs))
+            else:
+                if config.mode == "decoupled":
+                    t1 = time.perf_counter()
+                    prepared = prepare_global_batch(local, config)
+                    t_prep = time.perf_counter() - t1
+                loss_fn = make_loss_func(config, temperature=TEMPERATURE, prepared=prepared,
+                                         num_microbatches=len(mbs))
             M.train_step(model, optimizer, mbs, lambda logits, lmb: loss_fn(logits, lmb), local_micro_batches=local)
             if it:  # the first round is warm-up
                 timings[name]["step"].append(time.perf_counter() - t0)
@@ -115,7 +165,8 @@ def main() -> None:
     med = {n: {k: statistics.median(v) * 1e3 for k, v in t.items()} for n, t in timings.items()}
     tokens = sum(int(mb["tokens"].numel()) for mb in batch)
     print(f"tiny GPT: hidden {args.hidden}, {args.layers} layers, vocab {cfg.vocab_size}; {args.micro_batches} "
-          f"micro-batches, {tokens} tokens; {backend}, 1 thread; median of {args.steps} steps")
+          f"micro-batches, {tokens} tokens; {backend}, 1 thread; median of {args.steps} steps; loss: "
+          + ("slime's custom loss (slime_rc.slime.policy_loss_function)" if args.loss == "slime" else "make_loss_func"))
     print(f"{'mode':<22}{'step ms':>10}{'recompute':>12}{'prepare':>10}")
     for name, m in med.items():
         print(f"{name:<22}{m['step']:>10.1f}{m['recompute']:>12.1f}{m['prepare']:>10.2f}")

@@ -243,7 +243,17 @@ def transformer_config(cfg: TinyGPTConfig, layout: Optional[ParallelLayout] = No
         calculate_per_token_loss=calculate_per_token_loss,
         # gloo: batched isend/irecv can swap two messages to the same neighbour (PP=2 with VPP: silently wrong)
         batch_p2p_comm=not gloo,
+        **_no_cuda_graph_scope_warning(TransformerConfig),
     )
+
+
+def _no_cuda_graph_scope_warning(config_class) -> dict:
+    """megatron-core defaults its CUDA-graph scope to ``"full"`` (0.16: ``cuda_graph_scope``, 0.19:
+    ``cuda_graph_modules``) and then warns on every config that "full" is deprecated in favour of the empty list it
+    converts it to; giving that empty list is the same setting, without the warning."""
+    defaults = getattr(config_class, "__dataclass_fields__", {})
+    return {name: [] for name in ("cuda_graph_scope", "cuda_graph_modules")
+            if name in defaults and defaults[name].default == "full"}
 
 
 def layer_spec():
