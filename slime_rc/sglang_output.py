@@ -47,7 +47,7 @@ def response_tokens_from_meta_info(meta_info: Mapping[str, Any]) -> torch.Tensor
         if isinstance(tok, bool) or not isinstance(tok, int):
             raise ValueError(f"output_token_logprobs[{i}]: token id {tok!r} is not an integer")
         ids.append(tok)
-    return torch.tensor(ids, dtype=torch.int64)
+    return torch.tensor(ids, dtype=torch.int64)  # host: parsed from SGLang's JSON; the caller batches it
 
 
 def rollout_log_probs_from_meta_info(meta_info: Mapping[str, Any],
@@ -59,7 +59,7 @@ def rollout_log_probs_from_meta_info(meta_info: Mapping[str, Any],
     the server), NaN, infinite or positive log-prob, or a mismatching token id."""
     items = _items(meta_info)
     if response_tokens is not None:
-        resp = torch.as_tensor(response_tokens).reshape(-1).tolist()
+        resp = torch.as_tensor(response_tokens).reshape(-1).tolist()  # host: token ids, compared here
         if len(resp) != len(items):
             raise ValueError(f"{len(items)} output_token_logprobs for a response of {len(resp)} tokens")
     values = []
@@ -78,7 +78,7 @@ def rollout_log_probs_from_meta_info(meta_info: Mapping[str, Any],
         if response_tokens is not None and tok != resp[i]:
             raise ValueError(f"output_token_logprobs[{i}]: token id {tok!r} != response token {resp[i]}")
         values.append(lp)
-    return torch.tensor(values, dtype=torch.float32)
+    return torch.tensor(values, dtype=torch.float32)  # host: parsed from SGLang's JSON; the caller batches it
 
 
 def check_sampling_consistency(rollout_sampling_params: Mapping[str, Any], trainer_temperature: float, *,

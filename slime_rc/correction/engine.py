@@ -25,11 +25,12 @@ import torch
 
 from slime_rc.config.schema import RolloutCorrectionConfig
 from slime_rc.correction.metrics import batch_totals, finish_metrics
-from slime_rc.correction.packed import check_packed_inputs
+from slime_rc.correction.checks import DeferredChecks
+from slime_rc.correction.packed import BAD_INPUT_SUMMARY, check_packed_inputs, describe_bad_input
 from slime_rc.correction.records import PackedBatch
 from slime_rc.correction.reducer import LocalReducer, as_reducer
 from slime_rc.correction.sequence_stats import sequence_statistics
-from slime_rc.correction.token_stats import raise_nonfinite, token_statistics
+from slime_rc.correction.token_stats import NONFINITE_SUMMARY, describe_nonfinite, token_statistics
 from slime_rc.correction.weights import batch_normalize, sequence_decisions, token_weights
 
 
@@ -64,6 +65,7 @@ def compute_rollout_correction(
     config: RolloutCorrectionConfig,
     *,
     reducer: Optional[LocalReducer] = None,
+    checks: Optional[DeferredChecks] = None,
 ) -> CorrectionResult:
     """IS weights, keep mask and metrics for packed sequences.
 
@@ -75,24 +77,38 @@ def compute_rollout_correction(
         config: the validated :class:`RolloutCorrectionConfig`.
         reducer: combines statistics across ranks (``slime_rc.correction.reducer``); None for one process.  Under context
             parallelism each rank passes its own tokens of every sequence, in any order within the sequence.
+        checks: where the value checks go (``slime_rc.correction.checks``): malformed ``cu_seqlens`` / ``loss_mask``
+            values and, with ``on_nonfinite='error'``, non-finite log-probs on loss tokens.  None: the engine reads
+            them itself, once, at the end (no read with ``on_nonfinite='reject'``).  A caller that checks more
+            (a policy loss) passes its own and calls ``raise_if_any()`` once for all of them.
+
+    Host reads: none, but that one deferred check; every tensor is created on the inputs' device.
     """
     if not isinstance(config, RolloutCorrectionConfig):
         raise ValueError(f"config must be a RolloutCorrectionConfig, got {type(config).__name__}; "
                          f"build one with RolloutCorrectionConfig(...) or RolloutCorrectionConfig.from_dict(d)")
     reducer = as_reducer(reducer)
-    train, rollout, mask, cu = check_packed_inputs(train_log_probs, rollout_log_probs, loss_mask, cu_seqlens)
+    train, rollout, mask, cu, malformed = check_packed_inputs(train_log_probs, rollout_log_probs, loss_mask, cu_seqlens)
     batch = PackedBatch(train, rollout, mask, cu, lengths=cu[1:] - cu[:-1])
 
     tokens = token_statistics(batch, config)                                    # 1. per token
     seqs = sequence_statistics(batch, tokens, config, reducer)                  # 2. per sequence (collective 1)
     decisions = sequence_decisions(seqs, config)                                # 3. sequence decisions
     kept = token_weights(batch, tokens, decisions)                              # 4. keep mask and weights
-    totals = batch_totals(batch, tokens, seqs, decisions, kept, config, reducer)  # (collectives 2 and 3)
-    if config.on_nonfinite == "error" and totals.tokens.nonfinite > 0:  # global count: every rank raises together
-        raise_nonfinite(batch, tokens, decisions.nonfinite)
+    totals = batch_totals(batch, tokens, seqs, decisions, kept, config, reducer, malformed)  # (collectives 2, 3)
+    # deferred checks on global counts (after collective 2): every rank of the batch group raises together
+    own = checks is None
+    checks = DeferredChecks(read=config.on_nonfinite == "error") if own else checks
+    checks.add(totals.tokens.malformed, BAD_INPUT_SUMMARY,
+               lambda: describe_bad_input(loss_mask, cu_seqlens, train.numel()))
+    if config.on_nonfinite == "error":
+        checks.add(totals.tokens.nonfinite, NONFINITE_SUMMARY,
+                   lambda: describe_nonfinite(batch, tokens, decisions.nonfinite))
+    if own:
+        checks.raise_if_any()
     weights, norm = batch_normalize(kept, totals, config)                       # 5. batch normalization
     values = finish_metrics(totals, config, norm)                               # 5. metrics
-    metrics = torch.tensor(list(values.values()), dtype=torch.float64, device=batch.device).unbind()
+    metrics = torch.stack(list(values.values())).unbind()  # one storage: a caller reads them in one copy
 
     sequences = {
         "valid_tokens": seqs.sums.valid_tokens,

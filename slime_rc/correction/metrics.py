@@ -91,28 +91,34 @@ _PPL_EXP_MAX = 700.0
 
 
 def batch_totals(batch: PackedBatch, tokens: TokenStats, seqs: SequenceStats, decisions: SequenceDecisions,
-                 kept: TokenWeights, config: RolloutCorrectionConfig, reducer: LocalReducer) -> BatchTotals:
+                 kept: TokenWeights, config: RolloutCorrectionConfig, reducer: LocalReducer,
+                 malformed: torch.Tensor) -> BatchTotals:
     """The totals behind every metric and batch normalization, global over the reducer's batch group.
 
-    One float64 vector goes through collective 2 (SUM): the :class:`TokenTotals` (sums over this rank's tokens), the
-    quantile histogram (IS on) and the :class:`SequenceTotals` (sums of per-sequence terms, counted by one rank per
-    sequence group); one through collective 3 (MAX): the :class:`Extremes`.  Then three host reads in all.
+    One float64 vector goes through collective 2 (SUM): the :class:`TokenTotals` (sums over this rank's tokens, and
+    ``malformed``, this rank's input-check flag), the quantile histogram (IS on) and the :class:`SequenceTotals`
+    (sums of per-sequence terms, counted by one rank per sequence group); one through collective 3 (MAX): the
+    :class:`Extremes`.  Everything stays on the device: no host read.
     """
-    bound = config.safety_bound
-    lr64 = tokens.log_ratio64
-    ratio64 = tokens.ratio.double()
-    weight_totals, hist, (raw_max, raw_neg_min) = \
-        _is_token_totals(tokens, seqs, decisions, kept, config) if config.is_enabled else (None, None, (None, None))
+    f64 = torch.float64
+    local = with_leaves(seqs.local, _sum_columns(leaves(seqs.local), batch))  # this rank's token counts and sums
+    n_invalid = batch.n_tokens - local.valid_tokens
+    weight_totals, hist, (raw_max, raw_neg_min) = (None, None, (None, None))
+    if config.is_enabled:
+        weight_totals, hist, (raw_max, raw_neg_min) = _is_token_totals(tokens, seqs, decisions, kept, config, n_invalid)
+    # float64 accumulation of float32 tokens (the reductions cast as they read: no float64 copy of N values)
     token = TokenTotals(
-        valid=int(tokens.n_valid), loss=int(tokens.n_loss_tokens), kept=kept.keep.sum(),
-        log_ratio_sum=lr64.sum(), abs_log_ratio_sum=torch.linalg.vector_norm(lr64, 1),
-        clamped_log_ratio_sum=lr64.clamp(-bound, bound).sum(),
+        valid=local.valid_tokens, loss=local.valid_tokens + local.nonfinite_tokens, kept=kept.keep.sum(),
+        log_ratio_sum=local.log_ratio, abs_log_ratio_sum=torch.linalg.vector_norm(tokens.log_ratio, 1, dtype=f64),
+        clamped_log_ratio_sum=tokens.clamped_log_ratio.sum(dtype=f64),
         # sums of r and r^2 over valid tokens: invalid tokens hold r = 1 exactly, so their count comes off after
-        ratio_sum_all=ratio64.sum(), ratio_sq_sum_all=torch.dot(ratio64, ratio64),
-        invalid=tokens.n_invalid, nonfinite=tokens.n_nonfinite,
-        veto=None if tokens.veto is None else tokens.veto.count,
-        rs_criteria={option: rule.count for option, rule in tokens.rs_token.items()},
-        is_mask=None if tokens.is_mask is None else tokens.is_mask.count,
+        ratio_sum_all=tokens.ratio.sum(dtype=f64),
+        ratio_sq_sum_all=torch.linalg.vector_norm(tokens.ratio, 2, dtype=f64).square(),
+        invalid=n_invalid, nonfinite=local.nonfinite_tokens,
+        veto=local.veto_tokens,
+        rs_criteria=dict(local.rs_token_rejections),
+        is_mask=local.is_mask_tokens,
+        malformed=malformed,
         weights=weight_totals,
     )
     terms, extreme_columns = _sequence_terms(seqs, decisions, config)
@@ -120,33 +126,43 @@ def batch_totals(batch: PackedBatch, tokens: TokenStats, seqs: SequenceStats, de
     if batch.n_seqs:
         maxima = torch.stack(columns, 1).masked_fill(~seqs.has_tokens[:, None], -math.inf).amax(0).unbind()
     else:
-        maxima = [-math.inf] * len(columns)
+        maxima = torch.full((len(columns),), -math.inf, dtype=torch.float64, device=batch.device).unbind()
     extremes = Extremes(token_raw_max=raw_max, token_raw_neg_min=raw_neg_min,
                         sequences=with_leaves(extreme_columns, maxima))
     return _reduce(token, hist, terms, extremes, reducer, batch)
 
 
+def _sum_columns(columns: List[torch.Tensor], batch: PackedBatch) -> List[torch.Tensor]:
+    """``k x [B] -> k x 0-d``: column sums in one op."""
+    if not batch.n_seqs:
+        return list(torch.zeros(len(columns), dtype=torch.float64, device=batch.device).unbind())
+    return list(torch.stack(columns).sum(1).unbind())
+
+
 def _is_token_totals(tokens: TokenStats, seqs: SequenceStats, decisions: SequenceDecisions, kept: TokenWeights,
-                     config: RolloutCorrectionConfig):
+                     config: RolloutCorrectionConfig, n_invalid: torch.Tensor):
     """IS on: the :class:`TokenWeightTotals`, the ``[num_bins]`` histogram of the raw log-ratio, and the token-level
-    raw extremes ``(max, -min)`` of ``clamp(log r)`` over valid tokens (None at sequence level)."""
+    raw extremes ``(max, -min)`` of ``clamp(log r)`` over valid tokens (-inf when there are none; None at sequence
+    level)."""
     bound, bins = config.safety_bound, config.quantile_bins_per_octave
     log_hi, log_lo = math.log(config.is_upper_bound), math.log(config.is_lower)
     w64 = kept.weights.double()
     if config.is_level == "token":
-        lr, valid, n_invalid = tokens.log_ratio, tokens.valid, tokens.n_invalid
+        lr, valid = tokens.log_ratio, tokens.valid
         # invalid tokens hold lr == 0: they can only count when a bound sits on the wrong side of 1
         above, below = lr > log_hi, lr < log_lo
         raw_above = (above if log_hi >= 0 else above & valid).sum()
         raw_below = (below if log_lo <= 0 else below & valid).sum()
         hist = histogram(lr, bins, bound)
         hist[hist.numel() // 2] -= n_invalid  # ... and land in the centre bin: take them out there
-        valid_lr = tokens.clamped_log_ratio if n_invalid == 0 else tokens.clamped_log_ratio[valid]
-        lo_hi = valid_lr.aminmax() if valid_lr.numel() else None
-        extremes = (lo_hi.max, -lo_hi.min) if lo_hi is not None else (-math.inf, -math.inf)
+        lr_c = tokens.clamped_log_ratio
+        if lr_c.numel():
+            extremes = (torch.where(valid, lr_c, -math.inf).max(), torch.where(valid, -lr_c, -math.inf).max())
+        else:  # no tokens on this rank (a shape, not a value: no read)
+            extremes = tuple(torch.full((2,), -math.inf, dtype=torch.float64, device=lr_c.device).unbind())
     else:
         # token-weighted sums of a per-sequence value use this rank's token counts: exact after the SUM
-        local_n, raw = seqs.local_valid_tokens, decisions.raw_log_ratio
+        local_n, raw = seqs.local.valid_tokens, decisions.raw_log_ratio
         raw_above = (local_n * (raw > log_hi)).sum()
         raw_below = (local_n * (raw < log_lo)).sum()
         hist = histogram(raw.clamp(-bound, bound), bins, bound, weights=local_n)
@@ -210,24 +226,17 @@ def _sequence_terms(seqs: SequenceStats, decisions: SequenceDecisions, config: R
     return terms, extreme_columns
 
 
-def _pack(values: List[Number], device) -> torch.Tensor:
-    """One float64 vector of 0-d tensors and Python numbers, in the order of ``values`` (the tensors in one stack,
-    the numbers in one host-to-device copy).  The order must not depend on which leaves are tensors: that differs
-    between ranks (a rank holding none of some tokens has numbers there), and the collectives add / take the maximum
-    position by position."""
-    tensors = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
-    numbers = [i for i, v in enumerate(values) if not isinstance(v, torch.Tensor)]
-    out = torch.empty(len(values), dtype=torch.float64, device=device)
-    if tensors:
-        out[tensors] = torch.stack([values[i] for i in tensors]).double().to(device)
-    if numbers:
-        out[numbers] = torch.tensor([float(values[i]) for i in numbers], dtype=torch.float64, device=device)
-    return out
+def _pack(values: List[torch.Tensor], device) -> torch.Tensor:
+    """One float64 vector of 0-d tensors, in the order of ``values`` (the collectives add / take the maximum
+    position by position, so the order is the same on every rank)."""
+    if not values:
+        return torch.zeros(0, dtype=torch.float64, device=device)
+    return torch.stack([v.to(torch.float64) for v in values])
 
 
 def _reduce(token: TokenTotals, hist: Optional[torch.Tensor], terms: SequenceTotals, extremes: Extremes,
             reducer: LocalReducer, batch: PackedBatch) -> BatchTotals:
-    """Collectives 2 and 3: this rank's totals (records of local values) -> the batch's (records of floats)."""
+    """Collectives 2 and 3: this rank's totals -> the batch's (records of 0-d float64 tensors, on the device)."""
     dev = batch.device
     head = _pack(leaves(token), dev)
     columns = leaves(terms)
@@ -239,88 +248,104 @@ def _reduce(token: TokenTotals, hist: Optional[torch.Tensor], terms: SequenceTot
     parts = [head] + ([hist] if hist is not None else []) + [seq_sums]
     sums = reducer.sum_totals(torch.cat(parts))  # collective 2
     chunks = sums.split([p.numel() for p in parts])
-    token = with_leaves(token, chunks[0].tolist())
-    terms = with_leaves(terms, chunks[-1].tolist())
-    extremes = with_leaves(extremes, reducer.max_totals(_pack(leaves(extremes), dev)).tolist())  # collective 3
+    token = with_leaves(token, chunks[0].unbind())
+    terms = with_leaves(terms, chunks[-1].unbind())
+    extremes = with_leaves(extremes, reducer.max_totals(_pack(leaves(extremes), dev)).unbind())  # collective 3
     return BatchTotals(tokens=token, seqs=terms, extremes=extremes, histogram=chunks[1] if hist is not None else None)
 
 
-def _div(a: float, b: float) -> float:
-    return a / b if b > 0 else 0.0
-
-
-def _fin(x: float) -> float:
-    return x if math.isfinite(x) else 0.0
-
-
-def _exp(x: float, bound: float) -> float:
-    return math.exp(min(max(x, -bound), bound))
-
-
-def finish_metrics(t: BatchTotals, config: RolloutCorrectionConfig, norm: Optional[float]) -> Dict[str, float]:
-    """Metric values (Python floats, names in :data:`METRICS`) from the reduced batch totals; ``norm``: the batch
-    normalization factor (None when off)."""
+def finish_metrics(t: BatchTotals, config: RolloutCorrectionConfig,
+                   norm: Optional[torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Metric values (0-d float64 tensors on the device, names in :data:`METRICS`) from the reduced batch totals;
+    ``norm``: the batch normalization factor (None when off).  The quotients are computed as one vector (``x / d``,
+    0 where ``d = 0``) and the extremes' "0 if none" as another: a fixed, small number of ops whatever the config."""
     tok, seq, ext = t.tokens, t.seqs, t.extremes
     tokens, seqs, loss_tokens, all_seqs = tok.valid, seq.valid, tok.loss, seq.loss
-    m = {
-        "training_log_ppl": _div(seq.train_log_ppl, seqs),
-        "training_ppl": _div(seq.train_ppl, seqs),
-        "rollout_log_ppl": _div(seq.rollout_log_ppl, seqs),
-        "rollout_ppl": _div(seq.rollout_ppl, seqs),
-        "log_ppl_diff": _div(seq.log_ppl_diff, seqs),
-        "log_ppl_abs_diff": _div(seq.log_ppl_abs_diff, seqs),
-        "log_ppl_diff_max": _fin(ext.sequences.log_ppl_diff_max),
-        "log_ppl_diff_min": _fin(-ext.sequences.log_ppl_diff_neg_min),
-        "ppl_ratio": _div(seq.ppl_ratio, seqs),
-        "kl": _div(-tok.log_ratio_sum, tokens),
-        "k3_kl": _div(tok.ratio_sum - tokens - tok.clamped_log_ratio_sum, tokens),
-        "chi2_token": _div(tok.ratio_sq_sum, tokens) - 1.0 if tokens > 0 else 0.0,
-        "chi2_seq": _div(seq.seq_ratio_sq, seqs) - 1.0 if seqs > 0 else 0.0,
-        "train_rollout_logprob_abs_diff": _div(tok.abs_log_ratio_sum, tokens),
-        "rejected_token_fraction": _div(loss_tokens - tok.kept, loss_tokens),
-        "rejected_seq_fraction": _div(seq.rejected, all_seqs),
+    ratios = {  # name -> (numerator, denominator)
+        "training_log_ppl": (seq.train_log_ppl, seqs),
+        "training_ppl": (seq.train_ppl, seqs),
+        "rollout_log_ppl": (seq.rollout_log_ppl, seqs),
+        "rollout_ppl": (seq.rollout_ppl, seqs),
+        "log_ppl_diff": (seq.log_ppl_diff, seqs),
+        "log_ppl_abs_diff": (seq.log_ppl_abs_diff, seqs),
+        "ppl_ratio": (seq.ppl_ratio, seqs),
+        "kl": (-tok.log_ratio_sum, tokens),
+        "k3_kl": (tok.ratio_sum - tokens - tok.clamped_log_ratio_sum, tokens),
+        "chi2_token": (tok.ratio_sq_sum, tokens),  # minus 1 below
+        "chi2_seq": (seq.seq_ratio_sq, seqs),  # minus 1 below
+        "train_rollout_logprob_abs_diff": (tok.abs_log_ratio_sum, tokens),
+        "rejected_token_fraction": (loss_tokens - tok.kept, loss_tokens),
+        "rejected_seq_fraction": (seq.rejected, all_seqs),
+    }
+    extremes = {  # name -> value, 0 when not finite (no valid sequence)
+        "log_ppl_diff_max": ext.sequences.log_ppl_diff_max,
+        "log_ppl_diff_min": -ext.sequences.log_ppl_diff_neg_min,
     }
     if config.on_nonfinite == "reject":
-        m["nonfinite_token_fraction"] = _div(tok.nonfinite, loss_tokens)
-        m["nonfinite_seq_fraction"] = _div(seq.nonfinite, all_seqs)
+        ratios["nonfinite_token_fraction"] = (tok.nonfinite, loss_tokens)
+        ratios["nonfinite_seq_fraction"] = (seq.nonfinite, all_seqs)
     if config.is_enabled:
-        bound = config.safety_bound
         w, sw = tok.weights, seq.weights
-        n = tok.kept
-        mean = _div(w.kept_sum, n)
-        mean_sq = _div(w.kept_sq_sum, n)
-        m["rollout_is_mean"] = mean
-        m["rollout_is_std"] = math.sqrt(max(mean_sq - mean * mean, 0.0))
-        m["rollout_is_eff_sample_size"] = mean * mean / mean_sq if mean_sq > 0 else 0.0
-        any_tokens = tokens > 0
-        m["rollout_is_min"] = _exp(_fin(-ext.raw_neg_min), bound) if any_tokens else 0.0
-        m["rollout_is_max"] = _exp(_fin(ext.raw_max), bound) if any_tokens else 0.0
-        qs = quantiles_from_histogram(t.histogram, config.quantile_bins_per_octave, bound).tolist()
-        for q, v in zip(QUANTILES, qs):
-            m[f"rollout_is_p{round(q * 100)}"] = math.exp(v) if any_tokens else 0.0
-        m["rollout_is_ratio_fraction_high"] = _div(w.raw_above, tokens)
-        m["rollout_is_ratio_fraction_low"] = _div(w.raw_below, tokens)
-        seq_mean = _div(sw.weight, seqs)
-        m["rollout_is_seq_mean"] = seq_mean
-        m["rollout_is_seq_std"] = math.sqrt(max(_div(sw.weight_sq, seqs) - seq_mean * seq_mean, 0.0))
-        m["rollout_is_seq_min"] = _fin(-ext.sequences.weight_neg_min)
-        m["rollout_is_seq_max"] = _fin(ext.sequences.weight_max)
-        m["rollout_is_seq_max_deviation"] = _fin(ext.sequences.weight_max_dev)
-        m["rollout_is_seq_fraction_high"] = _div(sw.above, seqs)
-        m["rollout_is_seq_fraction_low"] = _div(sw.below, seqs)
-        if norm is not None:
-            m["rollout_is_batch_norm_factor"] = norm
+        ratios["rollout_is_mean"] = (w.kept_sum, tok.kept)
+        ratios["rollout_is_mean_sq"] = (w.kept_sq_sum, tok.kept)  # for std and ESS, not reported
+        ratios["rollout_is_ratio_fraction_high"] = (w.raw_above, tokens)
+        ratios["rollout_is_ratio_fraction_low"] = (w.raw_below, tokens)
+        ratios["rollout_is_seq_mean"] = (sw.weight, seqs)
+        ratios["rollout_is_seq_mean_sq"] = (sw.weight_sq, seqs)  # for the std, not reported
+        ratios["rollout_is_seq_fraction_high"] = (sw.above, seqs)
+        ratios["rollout_is_seq_fraction_low"] = (sw.below, seqs)
+        extremes["rollout_is_log_min"] = -ext.raw_neg_min
+        extremes["rollout_is_log_max"] = ext.raw_max
+        extremes["rollout_is_seq_min"] = -ext.sequences.weight_neg_min
+        extremes["rollout_is_seq_max"] = ext.sequences.weight_max
+        extremes["rollout_is_seq_max_deviation"] = ext.sequences.weight_max_dev
         if config.is_mode == "mask":
-            m["rollout_is_masked_fraction"] = _div(t.is_mask_tokens, tokens)
-            m["rollout_is_seq_masked_fraction"] = _div(seq.is_mask_seqs, all_seqs)
+            ratios["rollout_is_masked_fraction"] = (t.is_mask_tokens, tokens)
+            ratios["rollout_is_seq_masked_fraction"] = (seq.is_mask_seqs, all_seqs)
     if config.rs:
-        m["rollout_rs_masked_fraction"] = _div(seq.rs_tokens, tokens)
-        m["rollout_rs_seq_masked_fraction"] = _div(seq.rs_seqs, all_seqs)
+        ratios["rollout_rs_masked_fraction"] = (seq.rs_tokens, tokens)
+        ratios["rollout_rs_seq_masked_fraction"] = (seq.rs_seqs, all_seqs)
         for c in config.rs:
             name = f"rollout_rs_{c.option}"
-            m[name + "_masked_fraction"] = _div(t.rs_tokens(c.option), tokens)
-            m[name + "_seq_masked_fraction"] = _div(seq.rs_criteria[c.option].seqs, all_seqs)
+            ratios[name + "_masked_fraction"] = (t.rs_tokens(c.option), tokens)
+            ratios[name + "_seq_masked_fraction"] = (seq.rs_criteria[c.option].seqs, all_seqs)
     if config.veto_threshold is not None:
-        m["rollout_is_veto_fraction"] = _div(seq.veto, all_seqs)
-        m["rollout_is_catastrophic_token_fraction"] = _div(tok.veto, tokens)
-    return m
+        ratios["rollout_is_veto_fraction"] = (seq.veto, all_seqs)
+        ratios["rollout_is_catastrophic_token_fraction"] = (tok.veto, tokens)
+
+    num = torch.stack([n for n, _ in ratios.values()])
+    den = torch.stack([d for _, d in ratios.values()])
+    m = dict(zip(ratios, torch.where(den > 0, num / den.clamp(min=1e-300), 0.0).unbind()))
+    ext_values = torch.stack(list(extremes.values()))
+    m.update(zip(extremes, torch.where(ext_values.isfinite(), ext_values, 0.0).unbind()))
+    m["chi2_token"] = torch.where(tokens > 0, m["chi2_token"] - 1.0, 0.0)
+    m["chi2_seq"] = torch.where(seqs > 0, m["chi2_seq"] - 1.0, 0.0)
+    if config.is_enabled:
+        bound = config.safety_bound
+        mean, mean_sq = m["rollout_is_mean"], m.pop("rollout_is_mean_sq")
+        m["rollout_is_std"] = (mean_sq - mean * mean).clamp(min=0.0).sqrt()
+        m["rollout_is_eff_sample_size"] = torch.where(mean_sq > 0, mean * mean / mean_sq.clamp(min=1e-300), 0.0)
+        any_tokens = tokens > 0
+        log_min_max = torch.stack([m.pop("rollout_is_log_min"), m.pop("rollout_is_log_max")])
+        log_q = quantiles_from_histogram(t.histogram, config.quantile_bins_per_octave, bound)
+        ratio_values = torch.where(any_tokens, torch.cat([log_min_max.clamp(-bound, bound), log_q]).exp(), 0.0)
+        m.update(zip(("rollout_is_min", "rollout_is_max") + tuple(f"rollout_is_p{round(q * 100)}" for q in QUANTILES),
+                     ratio_values.unbind()))
+        seq_mean, seq_mean_sq = m["rollout_is_seq_mean"], m.pop("rollout_is_seq_mean_sq")
+        m["rollout_is_seq_std"] = (seq_mean_sq - seq_mean * seq_mean).clamp(min=0.0).sqrt()
+        if norm is not None:
+            m["rollout_is_batch_norm_factor"] = norm.to(torch.float64)
+    return {name: m[name] for name in _order(config) if name in m}
+
+
+def _order(config: RolloutCorrectionConfig) -> List[str]:
+    """Metric names in the order of :data:`METRICS`, each RS option's two names together in ``config.rs`` order
+    (an option given twice keeps its first place)."""
+    names = []
+    for name in METRICS:
+        if name == "rollout_rs_<option>_masked_fraction":
+            for c in config.rs:
+                names += [f"rollout_rs_{c.option}_masked_fraction", f"rollout_rs_{c.option}_seq_masked_fraction"]
+        elif "<option>" not in name:
+            names.append(name)
+    return list(dict.fromkeys(names))

@@ -7,7 +7,7 @@ vectorized over sequences (no Python loop over B) and free of ``torch.distribute
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
@@ -22,6 +22,18 @@ def cu_seqlens_from_lengths(lengths, device=None) -> torch.Tensor:
     return cu
 
 
+def upload(values, dtype: torch.dtype, device) -> torch.Tensor:
+    """Python numbers (host metadata such as slime's per-sample lengths) -> a tensor on ``device`` without stalling
+    a GPU stream: on CUDA through pinned memory with a non-blocking copy (a plain ``torch.tensor(..., device=cuda)``
+    is a blocking copy that waits for every queued kernel).  The one sanctioned host->device upload of the hot
+    path (``slime_rc.testing.host_reads`` does not count it)."""
+    t = torch.tensor(values, dtype=dtype)  # host: staged here, then copied without blocking
+    device = torch.device(device)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t if device.type == "cpu" else t.to(device)
+
+
 def segment_sum(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Per-sequence sums, accumulated in float64: ``[N] -> [B]``.
 
@@ -33,9 +45,42 @@ def segment_sum(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     return prefix[cu_seqlens[1:]] - prefix[cu_seqlens[:-1]]
 
 
-def segment_max(values: torch.Tensor, cu_seqlens: torch.Tensor, empty: float = -torch.inf) -> torch.Tensor:
-    """Per-sequence maxima ``[N] -> [B]`` (float64); an empty sequence gives ``empty``."""
-    return torch.segment_reduce(values.double(), "max", offsets=cu_seqlens, unsafe=True, initial=empty)
+def segment_sums(columns: List[torch.Tensor], cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Per-sequence sums of several ``[N]`` columns at once: ``k x [N] -> [k, B]`` float64.
+
+    Bool columns (counts) are prefix-summed in one ``[kb, N + 1]`` int32 matrix (exact up to 2^31 tokens), the
+    others in one float64 matrix; each matrix is prefix-summed along the tokens in one op and read at the
+    boundaries.  A tensor given twice (one RS rule is also "any RS rule") is summed once.  A handful of ops whatever
+    ``k`` (one :func:`segment_sum` per column would be eight each).
+    """
+    n, dev = columns[0].numel(), columns[0].device
+    unique = list({id(c): c for c in columns}.values())
+    sums = {}
+    for is_count in (True, False):
+        group = [c for c in unique if (c.dtype == torch.bool) == is_count]
+        if not group:
+            continue
+        m = torch.zeros(len(group), n + 1, dtype=torch.int32 if is_count else torch.float64, device=dev)
+        for row, column in zip(m[:, 1:], group):
+            row.copy_(column)
+        torch.cumsum(m, 1, out=m)
+        at = m.index_select(1, cu_seqlens)
+        sums.update(zip(map(id, group), (at[:, 1:] - at[:, :-1]).to(torch.float64)))
+    return torch.stack([sums[id(c)] for c in columns])
+
+
+def segment_max(values: torch.Tensor, sequence_of_tokens: torch.Tensor, n_seqs: int,
+                empty: float = -torch.inf) -> torch.Tensor:
+    """Per-sequence maxima ``[N] -> [B]`` (float64); an empty sequence gives ``empty``.  ``sequence_of_tokens``:
+    ``[N]`` int64, the sequence of each token (:func:`token_sequence_ids`)."""
+    out = torch.full((n_seqs,), empty, dtype=torch.float64, device=values.device)
+    return out.scatter_reduce_(0, sequence_of_tokens, values.double(), "amax")
+
+
+def token_sequence_ids(lengths: torch.Tensor, n_tokens: int) -> torch.Tensor:
+    """``[B]`` lengths -> ``[N]`` int64 sequence index of each token (no host read: the total is given)."""
+    return torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths,
+                                   output_size=n_tokens)
 
 
 def broadcast_to_tokens(per_sequence: torch.Tensor, lengths: torch.Tensor, total: int) -> torch.Tensor:
@@ -50,9 +95,14 @@ def sequence_of_token(token_index: int, cu_seqlens: torch.Tensor) -> int:
 
 
 def check_packed_inputs(train_log_probs, rollout_log_probs, loss_mask, cu_seqlens):
-    """Validate shapes/dtypes and return ``(train fp32, rollout fp32, mask bool, cu int64)``.
+    """Validate shapes/dtypes and return ``(train fp32, rollout fp32, mask bool, cu int64, bad_input)``.
 
-    Raises ``ValueError`` naming the argument, what it holds and what it should hold.
+    What the metadata shows (types, shapes, dtypes, devices) raises ``ValueError`` here, naming the argument, what
+    it holds and what it should hold.  What only the values show -- ``cu_seqlens`` not starting at 0, not ending
+    at N, decreasing; a float loss mask with values other than 0 and 1 -- costs no host read: ``bad_input`` (0-d
+    float64, non-zero when malformed) goes to the caller (the engine sums it over ranks, so that every rank raises
+    together, and adds it to its deferred checks), and the returned ``cu`` is clamped into ``[0, N]`` and made
+    non-decreasing so that nothing downstream indexes out of bounds before the check fires.
     """
     for name, t in (("train_log_probs", train_log_probs), ("rollout_log_probs", rollout_log_probs)):
         if not isinstance(t, torch.Tensor):
@@ -69,32 +119,58 @@ def check_packed_inputs(train_log_probs, rollout_log_probs, loss_mask, cu_seqlen
     if not isinstance(loss_mask, torch.Tensor) or loss_mask.dim() != 1 or loss_mask.numel() != n:
         shape = tuple(loss_mask.shape) if isinstance(loss_mask, torch.Tensor) else type(loss_mask).__name__
         raise ValueError(f"loss_mask must be a 1-D tensor of {n} tokens (like the log-probs), got {shape}")
-    if loss_mask.dtype != torch.bool:
-        if loss_mask.is_floating_point() and bool(((loss_mask != 0) & (loss_mask != 1)).any()):
-            raise ValueError("loss_mask must hold only 0 and 1 (or be bool); found other values")
-        loss_mask = loss_mask != 0
-    if not isinstance(cu_seqlens, torch.Tensor):
-        cu_seqlens = torch.as_tensor(cu_seqlens, dtype=torch.int64, device=train_log_probs.device)
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or cu_seqlens.is_floating_point():
-        raise ValueError(f"cu_seqlens must be an integer tensor of shape [B+1], got shape {tuple(cu_seqlens.shape)} "
-                         f"dtype {cu_seqlens.dtype}")
-    cu_seqlens = cu_seqlens.to(torch.int64)
-    if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != n:
-        raise ValueError(f"cu_seqlens must start at 0 and end at the token count {n}; got first={int(cu_seqlens[0])} "
-                         f"last={int(cu_seqlens[-1])} (shape [B+1], B = number of sequences)")
-    if cu_seqlens.numel() > 1:
-        steps = cu_seqlens[1:] - cu_seqlens[:-1]
-        if bool((steps < 0).any()):
-            i = int(torch.nonzero(steps < 0)[0, 0])
-            raise ValueError(f"cu_seqlens must be non-decreasing; cu_seqlens[{i + 1}]={int(cu_seqlens[i + 1])} < "
-                             f"cu_seqlens[{i}]={int(cu_seqlens[i])}")
     if rollout_log_probs.device != train_log_probs.device:
         raise ValueError(f"rollout_log_probs is on {rollout_log_probs.device}, train_log_probs on "
                          f"{train_log_probs.device}; move them to one device")
+    device = train_log_probs.device
+    if loss_mask.device != device:
+        raise ValueError(f"loss_mask is on {loss_mask.device}, the log-probs on {device}; move it to {device}")
+    if not isinstance(cu_seqlens, torch.Tensor):
+        try:
+            cu_seqlens = upload(list(cu_seqlens), torch.int64, device)
+        except (TypeError, ValueError):
+            raise ValueError(f"cu_seqlens must be a tensor or a sequence of ints of shape [B+1], got "
+                             f"{type(cu_seqlens).__name__}") from None
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or cu_seqlens.is_floating_point():
+        raise ValueError(f"cu_seqlens must be an integer tensor of shape [B+1], got shape {tuple(cu_seqlens.shape)} "
+                         f"dtype {cu_seqlens.dtype}")
+    cu = cu_seqlens.to(device=device, dtype=torch.int64, non_blocking=True)
+    bad = (cu[0] != 0) | (cu[-1] != n)
+    if cu.numel() > 1:
+        bad = bad | (cu[1:] < cu[:-1]).any()
+    bad = bad.double()
+    if loss_mask.dtype != torch.bool:
+        if loss_mask.is_floating_point():
+            bad = bad + 2 * ((loss_mask != 0) & (loss_mask != 1)).any()
+        loss_mask = loss_mask != 0
+    # cu made safe to index with (a no-op on well-formed input); the check above reports the malformed one
+    cu = cu.clamp(0, n).cummax(0).values
+    cu[:1].fill_(0), cu[-1:].fill_(n)
     # bf16/fp16 inputs are computed in fp32: exp() of a bf16 log-ratio is too coarse for weights near 1.
     train = train_log_probs.detach().float()
     rollout = rollout_log_probs.detach().float()
-    return train, rollout, loss_mask, cu_seqlens.to(train.device)
+    return train, rollout, loss_mask, cu, bad
+
+
+def describe_bad_input(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor, n: int) -> str:
+    """The message for malformed ``cu_seqlens`` / ``loss_mask`` values (slow path: reads the device freely)."""
+    cu = cu_seqlens.to("cpu", torch.int64)
+    if cu.numel() == 0 or int(cu[0]) != 0 or int(cu[-1]) != n:
+        return (f"cu_seqlens must start at 0 and end at the token count {n}; got first="
+                f"{int(cu[0]) if cu.numel() else None} last={int(cu[-1]) if cu.numel() else None} "
+                f"(shape [B+1], B = number of sequences)")
+    steps = cu[1:] - cu[:-1]
+    if bool((steps < 0).any()):
+        i = int(torch.nonzero(steps < 0)[0, 0])
+        return (f"cu_seqlens must be non-decreasing; cu_seqlens[{i + 1}]={int(cu[i + 1])} < "
+                f"cu_seqlens[{i}]={int(cu[i])}")
+    if loss_mask.is_floating_point() and bool(((loss_mask != 0) & (loss_mask != 1)).any()):
+        return "loss_mask must hold only 0 and 1 (or be bool); found other values"
+    return "malformed cu_seqlens or loss_mask on another rank of the batch group (this rank's are well-formed)"
+
+
+BAD_INPUT_SUMMARY = ("malformed packed input: cu_seqlens must start at 0, be non-decreasing and end at the token "
+                     "count N, and a float loss_mask must hold only 0 and 1 (on this or another rank)")
 
 
 def first_nonfinite(train: torch.Tensor, rollout: torch.Tensor, bad: torch.Tensor,

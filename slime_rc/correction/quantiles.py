@@ -18,6 +18,8 @@ import math
 
 import torch
 
+from slime_rc.correction.packed import upload
+
 MIN_EXPONENT = -24
 QUANTILES = (0.25, 0.50, 0.75, 0.95, 0.99)
 
@@ -46,9 +48,11 @@ def histogram(x: torch.Tensor, bins_per_octave: int, bound: float, weights=None)
     """Histogram (float64 counts) of ``x`` on the grid above; ``weights`` count each value that many times."""
     n = num_bins(bins_per_octave, bound)
     idx = bin_index(x.float(), bins_per_octave, bound)
+    counts = torch.zeros(n, dtype=torch.float64, device=x.device)
+    # index_add_, not bincount: bincount reads the largest index on the host (a GPU stall)
     if weights is None:
-        return torch.bincount(idx, minlength=n).double()
-    return torch.bincount(idx, weights=weights.double(), minlength=n)
+        return counts.index_add_(0, idx, torch.ones((), dtype=torch.float64, device=x.device).expand(idx.numel()))
+    return counts.index_add_(0, idx, weights.double())
 
 
 @functools.lru_cache(maxsize=16)
@@ -64,13 +68,19 @@ def bin_centres(bins_per_octave: int, bound: float, device=None) -> torch.Tensor
     return torch.cat([-mags.flip(0)[:-1], mags])
 
 
+@functools.lru_cache(maxsize=16)
+def _levels(qs: tuple, device) -> torch.Tensor:
+    """The quantile levels on ``device``: uploaded once per device, then cached."""
+    return upload(list(qs), torch.float64, device)
+
+
 def quantiles_from_histogram(counts: torch.Tensor, bins_per_octave: int, bound: float,
                              qs=QUANTILES) -> torch.Tensor:
-    """Log-space quantiles ``[len(qs)]`` (float64) from histogram counts; zeros if the histogram is empty."""
-    total = float(counts.sum())
-    if total <= 0:
-        return torch.zeros(len(qs), dtype=torch.float64, device=counts.device)
+    """Log-space quantiles ``[len(qs)]`` (float64) from histogram counts; zeros if the histogram is empty.  No host
+    read: the empty case is a ``where``."""
+    total = counts.sum()
     cum = counts.cumsum(0)
-    ranks = torch.ceil(torch.tensor(qs, dtype=torch.float64, device=counts.device) * total).clamp(min=1)
+    ranks = torch.ceil(_levels(tuple(qs), counts.device) * total).clamp(min=1)
     pos = torch.searchsorted(cum, ranks - 0.5)  # first bin whose cumulative count reaches the rank
-    return bin_centres(bins_per_octave, float(bound), counts.device)[pos.clamp(max=counts.numel() - 1)]
+    values = bin_centres(bins_per_octave, float(bound), counts.device)[pos.clamp(max=counts.numel() - 1)]
+    return torch.where(total > 0, values, 0.0)

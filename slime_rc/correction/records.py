@@ -32,8 +32,8 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
-# A field of a totals record: before the reduction a 0-d tensor or Python int (TokenTotals, Extremes) or a ``[B]``
-# per-sequence term (SequenceTotals, SequenceExtremes); after it a Python float.
+# A field of a totals record: before the reduction a 0-d tensor (TokenTotals, Extremes) or a ``[B]`` per-sequence
+# term (SequenceTotals, SequenceExtremes); after it a 0-d float64 tensor (never read on the host).
 Number = Union[torch.Tensor, int, float]
 
 
@@ -116,55 +116,38 @@ class PackedBatch:
 
 # ---- stage 1 ---------------------------------------------------------------------------------------------------
 @dataclass
-class FlaggedTokens:
-    """Tokens one rule flags on this rank: ``flags`` ``[N]`` bool (a subset of the valid tokens) and ``count``, the
-    number of them (a Python int: collective 1 skips the prefix sum of a rule that flags nothing here)."""
-
-    flags: torch.Tensor
-    count: int
-
-
-@dataclass
 class TokenStats:
     """Stage 1: per-token quantities of this rank.
 
     ``valid``: ``[N]`` bool, loss token with finite log-probs.
     ``log_ratio``: ``[N]`` float32 ``log r = log pi_train - log pi_rollout``, unclamped; 0 on invalid tokens.
-    ``log_ratio64``: ``[N]`` float64 copy of ``log_ratio`` (feeds every float64 sum).
     ``clamped_log_ratio``: ``[N]`` float32 ``clamp(log r, -safety_bound, safety_bound)``.
     ``ratio``: ``[N]`` float32 ``exp(clamped_log_ratio)``, the safety-bounded ratio; exactly 1 on invalid tokens.
     ``rollout_log_probs``: ``[N]`` float32 log pi_rollout, 0 on invalid tokens.
-    ``n_loss_tokens`` / ``n_valid``: 0-d int64 counts of loss / valid tokens.
-    ``n_invalid``: ``N - n_valid`` (Python int; tokens outside the loss mask are invalid too).
-    ``nonfinite``: ``[N]`` bool loss tokens with a NaN/inf log-prob, None when there are none (``n_nonfinite == 0``).
-    ``veto``: tokens whose unclamped ratio is below ``veto_threshold``; None without veto.
-    ``rs_token``: option -> tokens rejected by that token-level RS criterion.
+    ``nonfinite``: ``[N]`` bool loss tokens with a NaN/inf log-prob.
+    ``veto``: ``[N]`` bool, tokens whose unclamped ratio is below ``veto_threshold``; None without veto.
+    ``rs_token``: option -> ``[N]`` bool, tokens rejected by that token-level RS criterion.
     ``is_mask``: tokens whose ratio leaves ``[is_lower, is_upper_bound]`` under token-level mask mode, else None.
     ``rs_rejected``: union of ``rs_token``; None without token-level RS criteria.
     ``rejected``: union of ``rs_token`` and ``is_mask``; None when neither exists.
     ``keep``: ``[N]`` bool, valid tokens that no token-level rule rejects (``valid & ~rejected``).
-    ``is_weight``: ``[N]`` float32 bounded token IS weight ``weights.bounded_weight(ratio)`` (token-level IS only,
-        else None); on every token: the keep mask is applied in stage 4.
+    ``is_weight``: ``[N]`` float32 bounded token IS weight ``weights.bounded_weight(ratio)`` on valid tokens, 0 on
+        invalid ones (token-level IS only, else None); the keep mask is applied in stage 4.
     ``k_sum_terms``: option -> ``[N]`` float32 per-token k2/k3 (0 on invalid tokens) of each sequence criterion that
         sums or averages it; ``k_max_terms``: the same with -inf on invalid tokens for the criteria that take the max.
     """
 
     valid: torch.Tensor
     log_ratio: torch.Tensor
-    log_ratio64: torch.Tensor
     clamped_log_ratio: torch.Tensor
     ratio: torch.Tensor
     rollout_log_probs: torch.Tensor
-    n_loss_tokens: torch.Tensor
-    n_valid: torch.Tensor
-    n_invalid: int
-    n_nonfinite: int
-    nonfinite: Optional[torch.Tensor]
-    veto: Optional[FlaggedTokens]
-    rs_token: Dict[str, FlaggedTokens]
-    is_mask: Optional[FlaggedTokens]
-    rs_rejected: Optional[FlaggedTokens]
-    rejected: Optional[FlaggedTokens]
+    nonfinite: torch.Tensor
+    veto: Optional[torch.Tensor]
+    rs_token: Dict[str, torch.Tensor]
+    is_mask: Optional[torch.Tensor]
+    rs_rejected: Optional[torch.Tensor]
+    rejected: Optional[torch.Tensor]
     keep: torch.Tensor
     is_weight: Optional[torch.Tensor]
     k_sum_terms: Dict[str, torch.Tensor]
@@ -207,8 +190,9 @@ class SequenceStats:
 
     ``sums``: :class:`SequenceSums` after collective 1.  ``k_maxes``: option -> max of k2/k3 over the sequence's
     valid tokens (-inf if none) for the sequence criteria with aggregate ``max`` (the max part of collective 1).
-    ``local_valid_tokens``: valid tokens of each sequence on *this* rank (before collective 1): token-weighted
-    batch totals of a per-sequence value use it so that they are exact after the SUM over ranks.
+    ``local``: this rank's :class:`SequenceSums` (before collective 1): their sums over sequences are this rank's
+    token totals, and ``local.valid_tokens`` weights the token-weighted batch totals of a per-sequence value, so
+    that they are exact after the SUM over ranks.
     ``has_tokens``: ``[B]`` bool, ``valid_tokens > 0``.  ``valid_tokens_min1``: ``T = max(valid_tokens, 1)``, the
     divisor of every per-sequence mean.  ``log_ratio_mean``: ``S / T``, log of the geometric-mean ratio.
     ``train_log_prob_mean`` / ``rollout_log_prob_mean``: mean log pi_train / log pi_rollout over valid tokens.
@@ -216,7 +200,7 @@ class SequenceStats:
 
     sums: SequenceSums
     k_maxes: Dict[str, torch.Tensor]
-    local_valid_tokens: torch.Tensor
+    local: SequenceSums
     has_tokens: torch.Tensor
     valid_tokens_min1: torch.Tensor
     log_ratio_mean: torch.Tensor
@@ -288,7 +272,9 @@ class TokenTotals:
     ``clamped_log_ratio_sum``: sums of ``log r``, ``|log r|``, ``clamp(log r)`` over valid tokens.
     ``ratio_sum_all`` / ``ratio_sq_sum_all``: sums of the bounded ``r`` / ``r^2`` over all N tokens, invalid ones
     holding ``r = 1`` (see the properties).  ``nonfinite``, ``veto``, ``rs_criteria`` (option -> count, token-level
-    criteria), ``is_mask`` (token-level mask mode): tokens flagged by each rule.  ``weights``: IS on only.
+    criteria), ``is_mask`` (token-level mask mode): tokens flagged by each rule.  ``malformed``: non-zero on a rank
+    whose ``cu_seqlens`` / ``loss_mask`` values are malformed (summed so that every rank raises together).
+    ``weights``: IS on only.
     """
 
     valid: Number
@@ -304,15 +290,16 @@ class TokenTotals:
     veto: Optional[Number]
     rs_criteria: Dict[str, Number]
     is_mask: Optional[Number]
+    malformed: Number
     weights: Optional[TokenWeightTotals]
 
     @property
-    def ratio_sum(self) -> float:
+    def ratio_sum(self) -> Number:
         """Sum of the bounded ratio over valid tokens (the invalid ones held exactly 1)."""
         return self.ratio_sum_all - self.invalid
 
     @property
-    def ratio_sq_sum(self) -> float:
+    def ratio_sq_sum(self) -> Number:
         return self.ratio_sq_sum_all - self.invalid
 
 
@@ -418,7 +405,7 @@ class Extremes:
 
 @dataclass
 class BatchTotals:
-    """Everything the metrics and batch normalization need, global over the batch group (Python floats).
+    """Everything the metrics and batch normalization need, global over the batch group (0-d float64 tensors).
 
     ``histogram``: ``[num_bins]`` float64 counts of the raw log-ratio (``slime_rc.correction.quantiles``), IS on
     only.
@@ -430,11 +417,11 @@ class BatchTotals:
     histogram: Optional[torch.Tensor]
 
     @property
-    def is_mask_tokens(self) -> float:
+    def is_mask_tokens(self) -> Number:
         """Tokens rejected by IS mask mode, at whichever level it ran."""
         return self.tokens.is_mask if self.tokens.is_mask is not None else self.seqs.is_mask_tokens
 
-    def rs_tokens(self, option: str) -> float:
+    def rs_tokens(self, option: str) -> Number:
         """Tokens rejected by RS criterion ``option`` (token-level count, or tokens of the sequences it dropped)."""
         count = self.tokens.rs_criteria.get(option)
         return count if count is not None else self.seqs.rs_criteria[option].tokens

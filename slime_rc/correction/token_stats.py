@@ -17,7 +17,7 @@ import torch
 
 from slime_rc.config.schema import RolloutCorrectionConfig
 from slime_rc.correction.packed import first_nonfinite
-from slime_rc.correction.records import FlaggedTokens, PackedBatch, TokenStats
+from slime_rc.correction.records import PackedBatch, TokenStats
 from slime_rc.correction.weights import bounded_weight, outside
 
 
@@ -28,15 +28,11 @@ def k_statistic(kind: str, clamped_log_ratio: torch.Tensor, ratio: torch.Tensor)
     return ratio - 1.0 - clamped_log_ratio
 
 
-def _flagged(flags: torch.Tensor) -> FlaggedTokens:
-    return FlaggedTokens(flags, int(flags.sum()))
-
-
-def _union(flags: List[torch.Tensor]) -> FlaggedTokens:
-    out = flags[0]
+def _union(flags: List[torch.Tensor]) -> torch.Tensor:
+    out = flags[0]  # one rule: the same tensor (stage 2 sums a tensor given twice only once)
     for f in flags[1:]:
         out = out | f
-    return _flagged(out)
+    return out
 
 
 def token_statistics(batch: PackedBatch, config: RolloutCorrectionConfig) -> TokenStats:
@@ -46,22 +42,14 @@ def token_statistics(batch: PackedBatch, config: RolloutCorrectionConfig) -> Tok
 
     lr_raw = train - rollout
     valid = mask & (lr_raw.abs() < math.inf)  # NaN or inf on either side makes log r non-finite
-    n_loss_tokens = mask.sum()
-    n_valid = valid.sum()
-    n_nonfinite = int(n_loss_tokens - n_valid)
-    n_invalid = batch.n_tokens - int(n_valid)
-    if n_invalid:
-        lr = torch.where(valid, lr_raw, 0.0)  # zeros keep every sum below finite and exact
-        rollout_v = torch.where(valid, rollout, 0.0)
-    else:
-        lr, rollout_v = lr_raw, rollout
+    lr = torch.where(valid, lr_raw, 0.0)  # zeros keep every sum below finite and exact
+    rollout_v = torch.where(valid, rollout, 0.0)
     lr_c = lr.clamp(-bound, bound)
     ratio = torch.exp(lr_c)  # safety-bounded per-token ratio; exactly 1 on invalid tokens
-    lr64 = lr.double()  # one float64 copy feeds every sum (sum(dtype=...) would copy each time)
 
     veto = None
     if config.veto_threshold is not None:
-        veto = _flagged(valid & (lr < math.log(config.veto_threshold)))  # unclamped ratio, before the safety bound
+        veto = valid & (lr < math.log(config.veto_threshold))  # unclamped ratio, before the safety bound
 
     k_cache: Dict[str, torch.Tensor] = {}
 
@@ -81,16 +69,14 @@ def token_statistics(batch: PackedBatch, config: RolloutCorrectionConfig) -> Tok
     if is_token and config.is_mode == "mask":
         mask_flags.append(valid & outside(lr, math.log(config.is_lower), math.log(config.is_upper_bound)))
 
-    rs_token: Dict[str, FlaggedTokens] = {}
-    for option, flags in rs_flags:
-        rs_token[option] = _flagged(flags)
-    is_mask = _flagged(mask_flags[0]) if mask_flags else None
+    rs_token = dict(rs_flags)
+    is_mask = mask_flags[0] if mask_flags else None
     rs_rejected = _union([f for _, f in rs_flags]) if rs_flags else None
-    rejected: Optional[FlaggedTokens] = None
+    rejected: Optional[torch.Tensor] = None
     keep = valid
     if rs_flags or mask_flags:
         rejected = _union([f for _, f in rs_flags] + mask_flags)
-        keep = valid & ~rejected.flags
+        keep = valid & ~rejected
 
     # per-token divergences of the sequence RS criteria that need them (aggregated per sequence in stage 2)
     k_sum_terms: Dict[str, torch.Tensor] = {}
@@ -103,27 +89,29 @@ def token_statistics(batch: PackedBatch, config: RolloutCorrectionConfig) -> Tok
                 k_sum_terms[c.option] = k_of(c.statistic)
 
     return TokenStats(
-        valid=valid, log_ratio=lr, log_ratio64=lr64, clamped_log_ratio=lr_c, ratio=ratio, rollout_log_probs=rollout_v,
-        n_loss_tokens=n_loss_tokens, n_valid=n_valid, n_invalid=n_invalid, n_nonfinite=n_nonfinite,
-        nonfinite=(mask & ~valid) if n_nonfinite else None,
+        valid=valid, log_ratio=lr, clamped_log_ratio=lr_c, ratio=ratio, rollout_log_probs=rollout_v,
+        nonfinite=mask & ~valid,
         veto=veto, rs_token=rs_token, is_mask=is_mask, rs_rejected=rs_rejected, rejected=rejected, keep=keep,
         # computed here (not in stage 4) because collective 1 sums it per sequence for the sequence-weight metrics
-        is_weight=bounded_weight(ratio, config) if is_token else None,
+        is_weight=torch.where(valid, bounded_weight(ratio, config), 0.0) if is_token else None,
         k_sum_terms=k_sum_terms, k_max_terms=k_max_terms,
     )
 
 
-def raise_nonfinite(batch: PackedBatch, tokens: TokenStats, nonfinite_seqs: torch.Tensor) -> None:
-    """The ``on_nonfinite='error'`` failure, raised once collective 2 has shown a non-finite loss token somewhere in
-    the batch group: every rank sees the global count, so all of them raise together.  ``nonfinite_seqs``: ``[B]``
-    bool, sequences with a non-finite token on any rank of their sequence group."""
-    where = first_nonfinite(batch.train, batch.rollout, tokens.nonfinite, batch.cu_seqlens) \
-        if tokens.n_nonfinite else None
+def describe_nonfinite(batch: PackedBatch, tokens: TokenStats, nonfinite_seqs: torch.Tensor) -> str:
+    """The ``on_nonfinite='error'`` message (slow path: reads the device freely), once the global count after
+    collective 2 has shown a non-finite loss token somewhere in the batch group -- every rank sees that count, so
+    all of them raise together.  ``nonfinite_seqs``: ``[B]`` bool, sequences with a non-finite token on any rank
+    of their sequence group."""
+    where = first_nonfinite(batch.train, batch.rollout, tokens.nonfinite, batch.cu_seqlens)
     if where is None:
         first = int(torch.nonzero(nonfinite_seqs)[0, 0]) if bool(nonfinite_seqs.any()) else None
         where = (f"sample {first} (its non-finite tokens are on another rank)" if first is not None
                  else "another rank's batch")
-    raise ValueError(
-        f"non-finite log-probs on loss tokens: {where}. Fix the log-prob source (SGLang serializes NaN/inf "
-        f"as null), or set on_nonfinite='reject' to drop such sequences and count them in the "
-        f"'nonfinite_seq_fraction' metric.")
+    return (f"non-finite log-probs on loss tokens: {where}. Fix the log-prob source (SGLang serializes NaN/inf "
+            f"as null), or set on_nonfinite='reject' to drop such sequences and count them in the "
+            f"'nonfinite_seq_fraction' metric.")
+
+
+NONFINITE_SUMMARY = ("non-finite log-probs on loss tokens (train_log_probs or rollout_log_probs); fix the log-prob "
+                     "source, or set on_nonfinite='reject' to drop such sequences and count them")

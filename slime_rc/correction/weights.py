@@ -104,9 +104,7 @@ def sequence_decisions(seqs: SequenceStats, config: RolloutCorrectionConfig) -> 
 # ---- 4. per-token keep mask and weights ----------------------------------------------------------------------------
 def token_weights(batch: PackedBatch, tokens: TokenStats, decisions: SequenceDecisions) -> TokenWeights:
     """Stage 4: ``keep = token keep & sequence not dropped`` and ``weights = w * keep`` (``[N]``)."""
-    keep = tokens.keep
-    if bool(decisions.drop.any()):  # most batches drop no sequence: skip the broadcast then
-        keep = keep & broadcast_to_tokens(~decisions.drop, batch.lengths, batch.n_tokens)
+    keep = tokens.keep & broadcast_to_tokens(~decisions.drop, batch.lengths, batch.n_tokens)
     keep_f = keep.float()
     weights = None
     if tokens.is_weight is not None:
@@ -118,16 +116,17 @@ def token_weights(batch: PackedBatch, tokens: TokenStats, decisions: SequenceDec
 
 # ---- 5. batch normalization ------------------------------------------------------------------------------------
 def batch_normalize(kept: TokenWeights, totals: BatchTotals,
-                    config: RolloutCorrectionConfig) -> Tuple[Optional[torch.Tensor], Optional[float]]:
-    """``(weights / norm, norm)`` with ``norm`` the global mean kept weight (mean over kept tokens at token level,
-    over kept sequences at sequence/geometric level); ``(weights, None)`` when batch normalization is off."""
+                    config: RolloutCorrectionConfig) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """``(weights / norm, norm)`` with ``norm`` (0-d float64) the global mean kept weight (mean over kept tokens at
+    token level, over kept sequences at sequence/geometric level); ``(weights, None)`` when batch normalization is
+    off."""
     if not (config.is_enabled and config.is_batch_normalize):
         return kept.weights, None
     if config.is_level == "token":
         denom_w, denom_n = totals.tokens.weights.kept_sum, totals.tokens.kept
     else:
         denom_w, denom_n = totals.seqs.weights.kept_sum, totals.seqs.kept
-    mean_w = denom_w / denom_n if denom_n > 0 else 0.0
+    mean_w = denom_w / denom_n.clamp(min=1.0)  # counts: 0 kept means a zero numerator too
     # nothing kept (or weights all zero): leave weights as they are rather than divide by zero
-    norm = mean_w if mean_w > 0 else 1.0
+    norm = torch.where(mean_w > 0, mean_w, 1.0)
     return kept.weights / norm, norm

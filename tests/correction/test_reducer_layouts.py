@@ -215,7 +215,11 @@ def _layout_checks(ps, clean, with_nan, full_refs) -> dict:
             case["error"] = f"{type(e).__name__}: {e}"
         out["cases"][name] = case
 
-    # 2: collectives per call do not grow with the number of sequences
+    # 2: collectives (and host reads) per call do not grow with the number of sequences
+    from dataclasses import replace
+
+    from slime_rc.testing.host_reads import HostReads
+    out["host_reads"] = {}
     for n_local in (3, 40):
         samples = make_samples(n_local * dp_size, seed=100 + n_local, specials=False)
         sh_n = shard(samples, dp_size, dp_rank, cp_size, cp_rank)
@@ -223,6 +227,12 @@ def _layout_checks(ps, clean, with_nan, full_refs) -> dict:
             reducer = megatron_reducer()
             _call(sh_n, config, reducer)
             out["collectives"][(name, n_local)] = reducer.num_collectives
+            packed = pack_samples(sh_n["local"])
+            for policy in ("reject", "error"):
+                policy_config, policy_reducer = replace(config, on_nonfinite=policy), megatron_reducer()
+                with HostReads() as reads:
+                    compute_rollout_correction(*packed, policy_config, reducer=policy_reducer)
+                out["host_reads"][(name, n_local, policy)] = reads.count
 
     # 4: on_nonfinite='error' with the NaN on one (DP, CP) coordinate: every rank must raise, none may hang
     sh = shard(with_nan, dp_size, dp_rank, cp_size, cp_rank)
@@ -424,6 +434,17 @@ def test_collectives_per_call_bounded_and_independent_of_sequence_count(runs, la
             assert few == many, f"{layout}/{name} rank {rank}: {few} collectives for 3 sequences, {many} for 40"
             assert 1 <= many <= 3, f"{layout}/{name} rank {rank}: {many} collectives per call"
             assert run[layout]["cases"][name].get("ncoll") == many, (layout, name, rank)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_no_host_read_under_every_layout(runs, layout):
+    """With real collectives (gloo) the engine still reads nothing on the host with ``on_nonfinite='reject'`` and
+    once with ``'error'``, on every rank, for few and many sequences."""
+    for rank, run in enumerate(runs):
+        counts = run[layout]["host_reads"]
+        assert len(counts) == 2 * 2 * len(CONFIGS)
+        bad = {k: v for k, v in counts.items() if v != (0 if k[2] == "reject" else 1)}
+        assert not bad, f"{layout} rank {rank}: {bad}"
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

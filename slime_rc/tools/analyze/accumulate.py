@@ -32,11 +32,17 @@ import torch
 
 from slime_rc.config.schema import RolloutCorrectionConfig
 from slime_rc.correction.engine import compute_rollout_correction
-from slime_rc.correction.metrics import METRICS, _div
+from slime_rc.correction.metrics import METRICS
 from slime_rc.correction.packed import cu_seqlens_from_lengths, segment_sum
 from slime_rc.config.presets import PRESETS
 from slime_rc.correction.quantiles import QUANTILES, histogram, num_bins, quantiles_from_histogram
 from slime_rc.config.resolution import Layer, preset_layer, resolve
+
+
+def _div(a: float, b: float) -> float:
+    """``a / b``, 0 for an empty denominator (host floats: the analysis runs offline, on the CPU)."""
+    return a / b if b > 0 else 0.0
+
 
 DEFAULT_CHUNK_TOKENS = 1_000_000
 # A token whose ratio pi_train/pi_rollout is below this is "catastrophic" (the presets' veto threshold).
