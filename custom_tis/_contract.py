@@ -15,6 +15,11 @@ rank's own positions (``cp_utils.get_sum_of_sample_mean``).  Nothing per token c
 
 Everything here is plumbing (lists <-> packed tensors, zigzag positions, full-length masks, dtypes); the math is
 in :mod:`slime_rc.slime.mis` (slime's semantics) and :func:`slime_rc.compute_rollout_correction` (slime-rc's).
+
+No host read on the way (slime calls once per micro-batch; a GPU stream never waits here): the per-sample lists
+are concatenated once and gathered with index tensors built from slime's Python ints, and the value checks (a
+loss mask of 0/1, finite log-probs on loss tokens) go into one :class:`~slime_rc.correction.checks.DeferredChecks`
+per call, read once at the end -- none with the engine's ``on_nonfinite='reject'``.
 """
 
 from __future__ import annotations
@@ -24,10 +29,12 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from slime_rc import LocalReducer, RolloutCorrectionConfig, compute_rollout_correction, cu_seqlens_from_lengths
+from slime_rc import LocalReducer, RolloutCorrectionConfig, compute_rollout_correction
+from slime_rc.correction.checks import DeferredChecks
 from slime_rc.correction.engine import CorrectionResult
+from slime_rc.correction.packed import upload
 from slime_rc.correction.reducer import megatron_context_parallel
-from slime_rc.megatron.cp_layout import zigzag_response_indices
+from slime_rc.slime.policy_loss import expand_runs, response_runs
 
 TensorList = List[torch.Tensor]
 
@@ -51,12 +58,14 @@ class Batch:
 
     ``train``, ``rollout``: ``[N]`` float32; ``mask``: ``[N]`` float32 0/1 (the original loss mask at this rank's
     tokens); ``cu_seqlens``: ``[B+1]``; ``lengths``: this rank's token count per sample; ``positions``: ``[N]``
-    int64 index of each token in its sample's response; ``full_masks``: the caller's full-length masks.
+    int64 index of each token in its sample's response; ``sample_of_token``: ``[N]`` int64; ``full_masks``: the
+    caller's full-length masks.  ``checks`` receives the check that the masks hold only 0 and 1 (deferred: no host
+    read here; without ``checks`` it is read at once).
     """
 
     def __init__(self, train_log_probs: TensorList, rollout_log_probs: TensorList, loss_masks: TensorList,
                  total_lengths: Optional[Sequence[int]] = None, response_lengths: Optional[Sequence[int]] = None,
-                 cp: Tuple[int, int] = (1, 0)):
+                 cp: Tuple[int, int] = (1, 0), checks: Optional[DeferredChecks] = None):
         for name, v in (("train_log_probs", train_log_probs), ("rollout_log_probs", rollout_log_probs),
                         ("loss_masks", loss_masks)):
             if not isinstance(v, (list, tuple)):
@@ -69,7 +78,9 @@ class Batch:
             raise ValueError("one entry per sample in every list: got " + ", ".join(f"{k} {v}" for k, v in
                                                                                      counts.items()))
         cp_size, cp_rank = cp
-        idx, lengths = [], []
+        # runs of consecutive tokens: (index in the concatenated full masks, response position, sample) at the start
+        starts, run_lengths, lengths, full_lengths = [], [], [], []
+        mask_offset = 0
         for i, (t, r, m) in enumerate(zip(train_log_probs, rollout_log_probs, loss_masks)):
             for name, v in (("train_log_probs", t), ("rollout_log_probs", r), ("loss_masks", m)):
                 if not isinstance(v, torch.Tensor) or v.dim() != 1:
@@ -82,53 +93,91 @@ class Batch:
                 if m.numel() != t.numel():
                     raise ValueError(f"sample {i}: loss_masks holds {m.numel()} tokens, the log-probs "
                                      f"{t.numel()}; pass one mask per response, as long as its log-probs")
-                idx.append(None)
+                runs = [(0, t.numel())]
             else:
                 total, resp = int(total_lengths[i]), int(response_lengths[i])
                 if m.numel() != resp:
                     raise ValueError(f"sample {i}: loss_masks must be the full response mask of "
                                      f"response_lengths[{i}]={resp} tokens, got {m.numel()} (slime passes full-length "
                                      f"masks and CP-local log-probs)")
-                j = zigzag_response_indices(total, resp, cp_size, cp_rank, m.device)
-                if j.numel() != t.numel():
+                if not 0 <= resp <= total:
+                    raise ValueError(f"response_length={resp} must lie in [0, total_length={total}]")
+                # without CP a rank holds the whole response (megatron's layout, cp_layout.zigzag_response_indices)
+                runs = [(j, n) for _, j, n in response_runs(total, resp, cp_size, cp_rank)[1]]
+                if cp_size == 1:
+                    runs = [(0, resp)]
+                held = sum(n for _, n in runs)
+                if held != t.numel():
                     raise ValueError(
                         f"sample {i}: train_log_probs holds {t.numel()} tokens but context-parallel rank {cp_rank} "
-                        f"of {cp_size} holds {j.numel()} of its {resp} response tokens (total_lengths[{i}]={total}, "
+                        f"of {cp_size} holds {held} of its {resp} response tokens (total_lengths[{i}]={total}, "
                         f"megatron's zigzag layout); pass this rank's log-probs")
-                idx.append(j)
+            for j, n in runs:
+                starts.append((mask_offset + j, j, i))
+                run_lengths.append(n)
             lengths.append(t.numel())
-        self.n_samples, self.lengths, self.idx = len(lengths), lengths, idx
+            full_lengths.append(m.numel())
+            mask_offset += m.numel()
+        self.n_samples, self.lengths, self.full_lengths = len(lengths), lengths, full_lengths
+        self.runs = [(i, j, n) for (_, j, i), n in zip(starts, run_lengths)]
         self.full_masks = list(loss_masks)
         device = train_log_probs[0].device if lengths else torch.device("cpu")
-        cat = (lambda ts: torch.cat([t.reshape(-1) for t in ts]).to(device) if ts else
-               torch.zeros(0, device=device))
-        self.train = cat(train_log_probs).float()
-        self.rollout = cat(rollout_log_probs).float()
-        local_masks = [m if j is None else m[j] for m, j in zip(loss_masks, idx)]
-        mask = cat(local_masks)
-        if mask.numel() and bool(((mask != 0) & (mask != 1)).any()):
-            raise ValueError("loss_masks must hold only 0 and 1")
+        self.device = device
+        n_tokens = sum(lengths)
+        index = expand_runs(starts, run_lengths, n_tokens, device, width=3, constant=1)
+        self.full_index, self.positions, self.sample_of_token = index[:, 0], index[:, 1], index[:, 2]
+        if lengths:
+            self.train = torch.cat([t.reshape(-1) for t in train_log_probs]).to(device, non_blocking=True).float()
+            self.rollout = torch.cat([t.reshape(-1) for t in rollout_log_probs]).to(device, non_blocking=True).float()
+            self.full_mask = torch.cat([m.reshape(-1) for m in loss_masks]).to(device, non_blocking=True)
+            mask = self.full_mask.index_select(0, self.full_index)
+        else:
+            self.train = torch.zeros(0, device=device)
+            self.rollout = torch.zeros(0, device=device)
+            self.full_mask = mask = torch.zeros(0, device=device)
+        own = checks is None
+        checks = DeferredChecks() if own else checks
+        checks.add(((mask != 0) & (mask != 1)).sum(), "loss_masks must hold only 0 and 1")
+        if own:
+            checks.raise_if_any()
         self.mask = (mask != 0).float()
-        self.cu_seqlens = cu_seqlens_from_lengths(lengths, device=device)
-        self.positions = torch.cat([torch.arange(n, device=device) if j is None else j
-                                    for n, j in zip(lengths, idx)]) if lengths else torch.zeros(0, dtype=torch.int64)
+        self.cu_seqlens = upload(_cumulative(lengths), torch.int64, device)
 
     def describe(self, j: int) -> str:
-        """Sample and response position of packed token ``j``."""
-        sample = int(torch.searchsorted(self.cu_seqlens, torch.tensor([j], device=self.cu_seqlens.device),
-                                        right=True)[0]) - 1
+        """Sample and response position of packed token ``j`` (the slow path of an error: reads freely)."""
+        sample, position, rest = -1, -1, j
+        for i, start, n in self.runs:
+            if rest < n:
+                sample, position = i, start + rest
+                break
+            rest -= n
         which = "train_log_probs" if not math.isfinite(float(self.train[j])) else "rollout_log_probs"
         value = float((self.train if which == "train_log_probs" else self.rollout)[j])
-        return f"{which} is {value} at sample {sample}, response position {int(self.positions[j])}"
+        return f"{which} is {value} at sample {sample}, response position {position}"
 
     def split(self, packed: torch.Tensor) -> TensorList:
         return list(packed.split(self.lengths)) if self.lengths else []
 
     def full_length_masks(self, keep: torch.Tensor, seq_keep: torch.Tensor) -> TensorList:
         """Full-length masks in the callers' dtype: ``keep`` at this rank's positions, the original mask times the
-        sequence decision ``seq_keep [B]`` elsewhere."""
-        return [((m != 0) & s).to(m.dtype).index_copy(0, j, k.to(m.dtype))
-                for m, j, k, s in zip(self.full_masks, self.idx, self.split(keep), seq_keep.unbind(0))]
+        sequence decision ``seq_keep [B]`` elsewhere.  One gather, one scatter, one split (views)."""
+        if not self.n_samples:
+            return []
+        dtype = self.full_mask.dtype
+        sample_of_full = torch.repeat_interleave(
+            torch.arange(self.n_samples, device=self.device), upload(self.full_lengths, torch.int64, self.device),
+            output_size=self.full_mask.numel())
+        full = ((self.full_mask != 0) & seq_keep.to(self.device).index_select(0, sample_of_full)).to(dtype)
+        full = full.index_copy(0, self.full_index, keep.to(dtype))
+        return [f if f.dtype == m.dtype else f.to(m.dtype)
+                for f, m in zip(full.split(self.full_lengths), self.full_masks)]
+
+
+def _cumulative(values: Sequence[int]) -> List[int]:
+    out = [0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
 
 
 def check_pg_loss(pg_loss: torch.Tensor, batch: Batch) -> None:
@@ -145,38 +194,55 @@ def apply_weights(pg_loss: torch.Tensor, weights: Optional[torch.Tensor]) -> tor
     return pg_loss * weights.detach().to(pg_loss.dtype).reshape(pg_loss.shape)
 
 
-def run_with_cp(compute: Callable[[Batch, LocalReducer], Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor,
-                                                                  Dict[str, torch.Tensor]]],
+def new_checks(compute: Callable) -> DeferredChecks:
+    """One call's deferred checks: read once at the end (slime's semantics raise on bad input), or never with the
+    engine's ``on_nonfinite='reject'`` (``compute.read_checks``)."""
+    return DeferredChecks(read=getattr(compute, "read_checks", True))
+
+
+def run_with_cp(compute: Callable[[Batch, LocalReducer, DeferredChecks],
+                                  Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor, Dict[str, torch.Tensor]]],
                 *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths,
                 prefix: str = "", cp: Optional[Tuple[int, int, LocalReducer]] = None):
-    """slime's CP contract around ``compute(batch, reducer) -> (weights [N] | None, keep [N], seq_keep [B],
-    metrics {name: [N]})``: returns ``(pg_loss * weights, full-length masks, {prefix + name: [N]})``."""
+    """slime's CP contract around ``compute(batch, reducer, checks) -> (weights [N] | None, keep [N], seq_keep [B],
+    metrics {name: [N]})``: returns ``(pg_loss * weights, full-length masks, {prefix + name: [N]})``.  ``compute``
+    adds its value checks to ``checks``, read once here at the end."""
     cp_size, cp_rank, reducer = megatron_context_parallel() if cp is None else cp
-    batch = Batch(train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths, (cp_size, cp_rank))
+    checks = new_checks(compute)
+    batch = Batch(train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths, (cp_size, cp_rank),
+                  checks=checks)
     check_pg_loss(pg_loss, batch)
-    weights, keep, seq_keep, metrics = compute(batch, reducer)
+    weights, keep, seq_keep, metrics = compute(batch, reducer, checks)
     masks = batch.full_length_masks(keep, seq_keep)
-    return apply_weights(pg_loss, weights), masks, {prefix + k: v.float() for k, v in metrics.items()}
+    out = apply_weights(pg_loss, weights), masks, {prefix + k: v.float() for k, v in metrics.items()}
+    checks.raise_if_any()  # the one host read of the call (none with on_nonfinite='reject')
+    return out
 
 
 def run_lists(compute, *, train_log_probs, rollout_log_probs, loss_masks, weights_when_off: bool = True):
     """slime's non-CP form: ``(weights list | None, masks list, {name: list})``, one process."""
-    batch = Batch(train_log_probs, rollout_log_probs, loss_masks)
-    weights, keep, _, metrics = compute(batch, LocalReducer())
-    masks = [k.to(m.dtype) for k, m in zip(batch.split(keep), batch.full_masks)]
-    return (None if weights is None else batch.split(weights), masks,
-            {k: batch.split(v.float()) for k, v in metrics.items()})
+    checks = new_checks(compute)
+    batch = Batch(train_log_probs, rollout_log_probs, loss_masks, checks=checks)
+    weights, keep, _, metrics = compute(batch, LocalReducer(), checks)
+    dtype = batch.full_masks[0].dtype if batch.full_masks else keep.dtype
+    masks = [k if k.dtype == m.dtype else k.to(m.dtype)
+             for k, m in zip(batch.split(keep.to(dtype)), batch.full_masks)]
+    out = (None if weights is None else batch.split(weights), masks,
+           {k: batch.split(v.float()) for k, v in metrics.items()})
+    checks.raise_if_any()  # the one host read of the call (none with on_nonfinite='reject')
+    return out
 
 
 # ---- slime-rc's own semantics (a config resolved at launch) ------------------------------------------------------
 def engine_compute(config: RolloutCorrectionConfig) -> Callable:
     """``compute`` for :func:`run_with_cp` / :func:`run_lists` from slime-rc's engine."""
 
-    def compute(batch: Batch, reducer: LocalReducer):
+    def compute(batch: Batch, reducer: LocalReducer, checks: DeferredChecks):
         result = compute_rollout_correction(batch.train, batch.rollout, batch.mask, batch.cu_seqlens, config,
-                                            reducer=reducer)
+                                            reducer=reducer, checks=checks)
         return (result.is_weights, result.keep_mask, result.sequences["kept"] > 0,
                 token_metrics(result, config, batch))
+    compute.read_checks = config.on_nonfinite == "error"
     return compute
 
 
@@ -184,14 +250,11 @@ def token_metrics(result: CorrectionResult, config: RolloutCorrectionConfig, bat
     """The engine's metrics as slime-style per-token values (``[N]`` float32) for slime's per-sample masked mean:
     token metrics hold the token's value, sequence metrics broadcast the sequence's (global) value."""
     train, rollout, loss_mask = batch.train, batch.rollout, batch.mask
-    dev = train.device
-    n_tokens = train.numel()
-    lengths_t = torch.as_tensor(batch.lengths, dtype=torch.int64, device=dev)
     seq = result.sequences
     bound = config.safety_bound
 
-    def per_seq(values: torch.Tensor) -> torch.Tensor:  # [B] -> [N], float32
-        return torch.repeat_interleave(values.float(), lengths_t, output_size=n_tokens)
+    def per_seq(values: torch.Tensor) -> torch.Tensor:  # [B] -> [N], float32: one gather
+        return values.float().index_select(0, batch.sample_of_token)
 
     lr_raw = train - rollout
     finite = torch.isfinite(lr_raw)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from slime_rc.slime.mis import SAFETY_BOUND, NonFiniteLogProbs
+from slime_rc.slime.mis import SAFETY_BOUND, add_nonfinite_check
 from slime_rc.slime.settings import get
 
 from custom_tis._contract import engine_compute, launch_config, run_lists, run_with_cp
@@ -37,14 +37,13 @@ def ratio_compute(args, *, band: bool):
     if not low <= high:
         raise ValueError(f"tis_clip_low={low} must be <= tis_clip={high}.")
 
-    def compute(batch, reducer):
+    def compute(batch, reducer, checks):
         lr = batch.train - batch.rollout
         on_loss = batch.mask != 0
         bad = on_loss & ~torch.isfinite(lr)
-        if bool(bad.any()):  # the one host read: elementwise, so only this rank can hold it and no peer waits
-            j = int(torch.nonzero(bad)[0, 0])
-            raise NonFiniteLogProbs(f"non-finite log-prob on a loss token: {batch.describe(j)}. Fix the log-prob "
-                                    f"source or mask such tokens out of loss_masks.")
+        # deferred (read once by the caller): elementwise, so only this rank can hold it and no peer waits
+        add_nonfinite_check(checks, bad, lambda j: batch.describe(j),
+                            "Fix the log-prob source or mask such tokens out of loss_masks.")
         r = torch.exp(torch.where(torch.isfinite(lr), lr, 0.0).clamp(-SAFETY_BOUND, SAFETY_BOUND))
         w = torch.where((r >= low) & (r <= high), r, 0.0) if band else r.clamp(low, high)
         metrics = {"tis": r, "tis_clipfrac": (w != r).float(), "tis_abs": (r - 1).abs()}

@@ -61,9 +61,9 @@ def _compute(args):
     check_shared_yaml(get(args, "custom_config_path"))
     settings = mis_settings(args)
 
-    def compute(batch, reducer):
+    def compute(batch, reducer, checks):
         r = slime_mis(settings, batch.train, batch.rollout, batch.mask, batch.cu_seqlens, reducer=reducer,
-                      describe_token=batch.describe)
+                      describe_token=batch.describe, checks=checks)
         return r.weights, r.keep, r.seq_keep, r.metrics
     compute.slime = True
     return compute

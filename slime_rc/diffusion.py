@@ -29,6 +29,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from slime_rc.config.schema import RolloutCorrectionConfig
+from slime_rc.correction.checks import DeferredChecks
 from slime_rc.correction.engine import CorrectionResult, compute_rollout_correction
 from slime_rc.losses import compute_policy_loss
 from slime_rc.correction.reducer import LocalReducer
@@ -93,19 +94,11 @@ def _first_nonfinite(named) -> Optional[str]:
     return None
 
 
-def _run_engine(train: torch.Tensor, rollout: torch.Tensor, config: RolloutCorrectionConfig, reducer,
-                named) -> CorrectionResult:
-    """The engine on ``(B, W)`` (or ``(B,)`` as ``(B, 1)``) inputs: sample ``i`` is packed sequence ``i``.
-
-    Non-finite inputs under ``on_nonfinite='error'`` are left for the engine to find: it raises on every rank of the
-    batch group together (after its totals collective), so a bad value on one rank cannot leave the others waiting
-    in a collective.  The message is then re-phrased with this API's argument names, sample and SDE step.
-    """
-    b, w = train.shape
-    cu = torch.arange(b + 1, dtype=torch.int64, device=train.device) * w
-    mask = torch.ones(b * w, dtype=torch.bool, device=train.device)
+def _rephrased(named, call):
+    """``call()``, with the engine's non-finite error re-phrased with this API's argument names, sample and SDE
+    step (the slow path: it reads the inputs to find the first bad value)."""
     try:
-        return compute_rollout_correction(train.reshape(-1), rollout.reshape(-1), mask, cu, config, reducer=reducer)
+        return call()
     except ValueError as e:
         if not str(e).startswith("non-finite"):
             raise
@@ -114,6 +107,29 @@ def _run_engine(train: torch.Tensor, rollout: torch.Tensor, config: RolloutCorre
             f"non-finite log-prob: {where}. Fix the log-prob source, or set on_nonfinite='reject' (YAML: "
             f"on_nonfinite: reject) to give such samples weight 0 and count them in 'nonfinite_seq_fraction'."
         ) from None
+
+
+def _run_engine(train: torch.Tensor, rollout: torch.Tensor, config: RolloutCorrectionConfig, reducer,
+                named, checks: Optional[DeferredChecks] = None) -> CorrectionResult:
+    """The engine on ``(B, W)`` (or ``(B,)`` as ``(B, 1)``) inputs: sample ``i`` is packed sequence ``i``.
+
+    Non-finite inputs under ``on_nonfinite='error'`` are left for the engine to find: it raises on every rank of the
+    batch group together (after its totals collective), so a bad value on one rank cannot leave the others waiting
+    in a collective.  The message is then re-phrased with this API's argument names, sample and SDE step.  The
+    engine's checks are deferred: read once here (one host read with 'error', none with 'reject'), or added to the
+    caller's ``checks`` (the caller reads them, through :func:`_rephrased`).
+    """
+    b, w = train.shape
+    cu = torch.arange(b + 1, dtype=torch.int64, device=train.device) * w
+    mask = torch.ones(b * w, dtype=torch.bool, device=train.device)
+    own = checks is None
+    if own:  # (a config that is not a RolloutCorrectionConfig is named by the engine)
+        checks = DeferredChecks(read=getattr(config, "on_nonfinite", "error") == "error")
+    res = _rephrased(named, lambda: compute_rollout_correction(train.reshape(-1), rollout.reshape(-1), mask, cu,
+                                                               config, reducer=reducer, checks=checks))
+    if own:
+        _rephrased(named, checks.raise_if_any)
+    return res
 
 
 def _outputs(res: CorrectionResult, config: RolloutCorrectionConfig, shape, prefix: str) -> DiffusionCorrection:
@@ -200,6 +216,11 @@ def compute_diffusion_step_correction(
         :class:`DiffusionCorrection` with ``(B,)`` tensors; ``rollout_is_weights`` is ``keep_mask`` in bypass +
         ``ppo_clip`` (IS diagnostics only) and IS weight x keep with ``loss_type='reinforce'``.
     """
+    return _step_correction(log_probs, rollout_log_probs, config, reducer, prefix)
+
+
+def _step_correction(log_probs, rollout_log_probs, config, reducer, prefix,
+                     checks: Optional[DeferredChecks] = None) -> DiffusionCorrection:
     _check_step_prefix(prefix)
     if isinstance(config, RolloutCorrectionConfig) and config.mode != "bypass":
         raise ValueError(
@@ -211,7 +232,7 @@ def compute_diffusion_step_correction(
     rollout = _check_tensor("rollout_log_probs", rollout_log_probs, 1, fix)
     _check_same_shape("log_probs", lp, "rollout_log_probs", rollout)
     res = _run_engine(lp.detach()[:, None], rollout[:, None], config, reducer,
-                      (("log_probs", lp), ("rollout_log_probs", rollout)))
+                      (("log_probs", lp), ("rollout_log_probs", rollout)), checks)
     return _outputs(res, config, lp.shape, prefix)
 
 
@@ -269,6 +290,8 @@ def compute_diffusion_step_loss(
     cu = torch.arange(b + 1, dtype=torch.int64, device=lp.device)
     ones = torch.ones(b, dtype=torch.bool, device=lp.device)
     metrics: Dict[str, torch.Tensor] = {}
+    checks = DeferredChecks(read=config.on_nonfinite == "error")  # the whole step's checks: read once, at the end
+    named = (("log_probs", lp),)
 
     if config.mode == "bypass":
         if rollout_is_weights is not None:
@@ -279,7 +302,8 @@ def compute_diffusion_step_loss(
         if rollout_log_probs is None:
             raise ValueError("rollout_log_probs is None in bypass mode: pass the (B,) rollout log-probs of this SDE "
                              "step; they play pi_old.")
-        step = compute_diffusion_step_correction(lp, rollout_log_probs, config, reducer=reducer, prefix=prefix)
+        step = _step_correction(lp, rollout_log_probs, config, reducer, prefix, checks)
+        named = (("log_probs", lp), ("rollout_log_probs", rollout_log_probs))
         # The engine's own metrics would come back named rollout_corr/*, the decoupled namespace: keep them out.
         correction = replace(step.result, metrics={})
         metrics.update(step.metrics)
@@ -309,9 +333,9 @@ def compute_diffusion_step_loss(
                                  f"{shape}; pass rollout_is_weights[:, j]")
             _check_same_shape("log_probs", lp, "rollout_is_weights", w)
             w = w.detach().float()
-            if not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
-                raise ValueError("rollout_is_weights holds negative or non-finite values; pass the weights of "
-                                 "compute_diffusion_rollout_correction unchanged (0 = rejected)")
+            checks.add((~torch.isfinite(w) | (w < 0)).any(),
+                       "rollout_is_weights holds negative or non-finite values; pass the weights of "
+                       "compute_diffusion_rollout_correction unchanged (0 = rejected)")
             keep = w > 0  # no padding in diffusion: a zero weight is a rejection
             weights = w if config.is_weights_applied else None
         correction = CorrectionResult(is_weights=weights, keep_mask=keep.float(), metrics={})
@@ -320,6 +344,7 @@ def compute_diffusion_step_loss(
     rollout = rollout_log_probs if config.mode == "bypass" else (
         rollout_log_probs if rollout_log_probs is not None else old)
     loss, loss_metrics = compute_policy_loss(lp, old, rollout, adv, ones, cu, config, reducer=reducer,
-                                             correction=correction)
+                                             correction=correction, checks=checks)
+    _rephrased(named, checks.raise_if_any)  # one host read with on_nonfinite='error', none with 'reject'
     metrics.update(loss_metrics)
     return loss, metrics

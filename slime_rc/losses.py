@@ -30,6 +30,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from slime_rc.config.schema import RolloutCorrectionConfig
+from slime_rc.correction.checks import DeferredChecks
 from slime_rc.correction.engine import CorrectionResult, compute_rollout_correction
 from slime_rc.correction.packed import broadcast_to_tokens, segment_sum
 from slime_rc.correction.reducer import LocalReducer, as_reducer
@@ -54,7 +55,8 @@ def loss_normalizer(count_mask: torch.Tensor, cu_seqlens: torch.Tensor,
                                            torch.zeros(cu_seqlens.numel() - 1, 0, dtype=torch.float64,
                                                        device=count_mask.device))
     per_seq = per_seq[:, 0]
-    live = (per_seq > 0).sum() if reducer.counts_sequences else torch.zeros((), dtype=torch.int64)
+    live = (per_seq > 0).sum() if reducer.counts_sequences else torch.zeros((), dtype=torch.int64,
+                                                                            device=count_mask.device)
     totals = reducer.sum_totals(torch.stack([count_mask.double().sum(), live.double()]))
     return LossNormalizer(tokens=totals[0], sequences=totals[1], per_sequence=per_seq)
 
@@ -62,11 +64,35 @@ def loss_normalizer(count_mask: torch.Tensor, cu_seqlens: torch.Tensor,
 def _token_coefficients(normalizer: LossNormalizer, config: RolloutCorrectionConfig, cu_seqlens: torch.Tensor,
                         n_tokens: int) -> torch.Tensor:
     """``[N]`` float32 c_t so that the loss is sum_t c_t l_t (0 where a denominator is 0)."""
-    if config.loss_agg == "token_mean":
-        return torch.full((n_tokens,), 1.0 / max(float(normalizer.tokens), 1.0), device=cu_seqlens.device)
+    if config.loss_agg == "token_mean":  # 1 / max(D, 1) in float64, then float32: no host read
+        coef = 1.0 / normalizer.tokens.to(torch.float64).clamp(min=1.0)
+        return coef.float().to(cu_seqlens.device).expand(n_tokens)
     per_seq = torch.where(normalizer.per_sequence > 0, 1.0 / normalizer.per_sequence.clamp(min=1.0), 0.0)
-    per_seq = per_seq / max(float(normalizer.sequences), 1.0)
+    per_seq = per_seq / normalizer.sequences.to(per_seq.dtype).clamp(min=1.0)
     return broadcast_to_tokens(per_seq, cu_seqlens[1:] - cu_seqlens[:-1], n_tokens).float()
+
+
+# Until the engine takes ``checks=`` (issue 14, being added in slime_rc.correction.engine): pass it only if accepted.
+def _first_bad(values: torch.Tensor, where: torch.Tensor, cu_seqlens: torch.Tensor) -> str:
+    """Slow path (raising anyway): ``sample i, position p (token t) = value`` of the first non-finite kept value."""
+    bad = torch.nonzero(where & ~torch.isfinite(values.detach()))
+    t = int(bad[0, 0])
+    i = int(torch.searchsorted(cu_seqlens.to(torch.int64), torch.tensor(t, device=cu_seqlens.device), right=True)) - 1
+    return (f"sample {i}, position {t - int(cu_seqlens[i])} (packed token {t}) = {float(values[t])}; "
+            f"{bad.shape[0]} such value(s)")
+
+
+def add_value_checks(checks: DeferredChecks, keep: torch.Tensor, cu_seqlens: torch.Tensor, named) -> None:
+    """``on_nonfinite='error'``: a deferred flag per named ``[N]`` tensor holding NaN/inf on a kept token (a kept
+    token's value reaches the loss).  No host read here; :meth:`DeferredChecks.raise_if_any` reads them once."""
+    for name, values, fix in named:
+        if values is None:
+            continue
+        bad = (keep & ~torch.isfinite(values.detach())).sum()
+        checks.add(bad, f"{name} holds NaN/inf on loss tokens the correction keeps; {fix}",
+                   lambda name=name, values=values, fix=fix: (
+                       f"{name} holds NaN/inf on a loss token the correction keeps: "
+                       f"{_first_bad(values, keep, cu_seqlens)}; {fix}"))
 
 
 def compute_policy_loss(
@@ -81,6 +107,7 @@ def compute_policy_loss(
     reducer: Optional[LocalReducer] = None,
     correction: Optional[CorrectionResult] = None,
     normalizer: Optional[LossNormalizer] = None,
+    checks: Optional[DeferredChecks] = None,
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """``(loss, metrics)`` for packed tokens.
 
@@ -93,6 +120,9 @@ def compute_policy_loss(
         advantages, loss_mask: ``[N]``; cu_seqlens: ``[B+1]``.
         reducer: for CP/DP (see module docstring).  correction: the engine's result for these tokens computed
             beforehand (decoupled mode's pre-step path); normalizer: precomputed denominators.
+        checks: a :class:`~slime_rc.correction.checks.DeferredChecks` to add this call's value checks (and the
+            engine's) to; the caller then calls its ``raise_if_any()``.  Without it the call makes its own and reads
+            it once at the end (one host read with ``on_nonfinite='error'``, none with ``'reject'``).
     Returns:
         the loss (0-d, this rank's share) and metrics: the engine's (``rollout_corr/...``) plus ``pg_loss``,
         ``pg_clipfrac`` (kept tokens whose PPO term was clipped) and ``ppo_kl`` (log pi_old - log pi_theta),
@@ -109,11 +139,21 @@ def compute_policy_loss(
         raise ValueError(f"old_log_probs is None in mode={config.mode!r}: pass the recomputed log pi_old, or use "
                          f"bypass mode (--use-rollout-logprobs) where pi_old := pi_rollout.")
     old = rollout_log_probs if bypass else old_log_probs
+    own_checks = checks is None
+    if own_checks:
+        checks = DeferredChecks(read=config.on_nonfinite == "error")
 
     if correction is None and (config.corrects or config.get_mismatch_metrics):
         train = log_probs.detach() if bypass else old_log_probs
-        correction = compute_rollout_correction(train, rollout_log_probs, mask, cu_seqlens, config, reducer=reducer)
+        correction = compute_rollout_correction(train, rollout_log_probs, mask, cu_seqlens, config, reducer=reducer,
+                                                checks=checks)
     keep = mask if correction is None else correction.keep_mask.bool()
+    if config.on_nonfinite == "error":  # with 'reject' the values of a kept token are the caller's (as before)
+        fix = "a NaN/inf there makes the loss NaN: fix its source"
+        add_value_checks(checks, keep, cu_seqlens, (
+            ("log_probs", log_probs, fix), ("advantages", advantages, fix),
+            ("rollout_log_probs" if bypass else "old_log_probs", None if config.loss_type == "reinforce" else old,
+             fix)))
     if normalizer is None:
         normalizer = loss_normalizer(mask if config.rejected_in_denominator else keep, cu_seqlens, reducer)
 
@@ -149,4 +189,6 @@ def compute_policy_loss(
     }
     if correction is not None:
         metrics.update(correction.prefixed())
+    if own_checks:
+        checks.raise_if_any()  # the one host read of the call (none with on_nonfinite='reject')
     return loss, metrics

@@ -63,7 +63,7 @@ def bin_centres(bins_per_octave: int, bound: float, device=None) -> torch.Tensor
     k = torch.arange(half + 2, dtype=torch.int64, device=device)
     edges = ((k + ((127 + MIN_EXPONENT) << (23 - shift))) << shift).to(torch.int32).view(torch.float32).double()
     mags = (edges[:-1] + edges[1:]) / 2
-    mags[0] = 0.0  # the centre bin holds |x| < 2**MIN_EXPONENT (and exact zeros)
+    mags[:1].fill_(0.0)  # the centre bin holds |x| < 2**MIN_EXPONENT (and exact zeros)
     mags = mags.clamp(max=bound)
     return torch.cat([-mags.flip(0)[:-1], mags])
 

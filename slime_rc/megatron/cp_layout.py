@@ -92,14 +92,17 @@ def stream_padding(local_length: int, multiple: int, cp_size: int = 1) -> int:
     return (-int(local_length)) % multiple
 
 
-def packed_cu_seqlens(lengths: Sequence[int], cp_size: int, padding: int = 0) -> torch.Tensor:
+def packed_cu_seqlens(lengths: Sequence[int], cp_size: int, padding: int = 0, device=None) -> torch.Tensor:
     """The *global* ``cu_seqlens`` (int32) of a packed CP micro-batch: each sequence's padded length
     (:func:`zigzag_padded_length`), plus a last segment of ``padding * cp_size`` for the stream padding of every
-    rank (slime: local ``cu_seqlens`` times ``cp_size``)."""
-    padded = [zigzag_padded_length(int(n), cp_size) for n in lengths]
+    rank (slime: local ``cu_seqlens`` times ``cp_size``).  Summed on the host, uploaded once to ``device``."""
+    from slime_rc.correction.packed import upload
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + zigzag_padded_length(int(n), cp_size))
     if padding:
-        padded.append(int(padding) * cp_size)
-    return torch.tensor([0] + padded, dtype=torch.int64).cumsum(0).to(torch.int32)
+        cu.append(cu[-1] + int(padding) * cp_size)
+    return upload(cu, torch.int32, "cpu" if device is None else device)
 
 
 def response_positions(positions: torch.Tensor, total_length: int, response_length: int):
@@ -118,9 +121,14 @@ def zigzag_response_indices(total_length: int, response_length: int, cp_size: in
     _check_rank(cp_size, cp_rank)
     if cp_size == 1:
         return torch.arange(response_length, dtype=torch.int64, device=device)
-    holds, j = response_positions(zigzag_token_positions(total_length, cp_size, cp_rank, device), total_length,
-                                  response_length)
-    return j[holds]
+    # each chunk is a range of positions, so the held j are (at most) two ranges: host arithmetic, no mask indexing
+    c = zigzag_chunk_size(total_length, cp_size)
+    first = total_length - response_length - 1  # position of response log-prob 0
+    parts = []
+    for chunk in (cp_rank, 2 * cp_size - 1 - cp_rank):
+        lo, hi = max(chunk * c, first), min((chunk + 1) * c, first + response_length)
+        parts.append(torch.arange(lo - first, max(hi, lo) - first, dtype=torch.int64, device=device))
+    return torch.cat(parts)
 
 
 def zigzag_slice(values: torch.Tensor, total_length: int, response_length: int, cp_size: int,

@@ -27,7 +27,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from slime_rc.config.schema import RolloutCorrectionConfig
+from slime_rc.correction.checks import DeferredChecks
 from slime_rc.correction.engine import CorrectionResult, compute_rollout_correction
+from slime_rc.correction.packed import segment_sum, upload
 from slime_rc.losses import LossNormalizer, compute_policy_loss, loss_normalizer
 from slime_rc.correction.reducer import LocalReducer, megatron_reducer, megatron_step_group, sum_named_values
 from slime_rc.megatron.logprobs import vocab_parallel_log_probs
@@ -59,17 +61,34 @@ def prepare_global_batch(micro_batches: Sequence[Dict[str, torch.Tensor]], confi
                          f"loss.")
     if reducer is None:
         reducer = megatron_reducer()
-    sizes = [int(mb["cu_seqlens"][-1]) for mb in micro_batches]
+    # sizes from shapes (host metadata): no host read per micro-batch or per sequence
+    sizes = [mb["loss_mask"].numel() for mb in micro_batches]
     seqs = [mb["cu_seqlens"].numel() - 1 for mb in micro_batches]
     cat = (lambda key: torch.cat([mb[key].reshape(-1) for mb in micro_batches]))
-    offsets, cu = [0], [torch.zeros(1, dtype=torch.int64)]
-    for mb in micro_batches:
-        cu.append(mb["cu_seqlens"][1:].to(torch.int64) + offsets[-1])
-        offsets.append(offsets[-1] + int(mb["cu_seqlens"][-1]))
-    cu_all = torch.cat(cu)
     mask = cat("loss_mask")
+    device = mask.device
+    checks = DeferredChecks(read=config.on_nonfinite == "error")
+    offsets = [0]
+    for n in sizes:
+        offsets.append(offsets[-1] + n)
+    cu = [torch.zeros(1, dtype=torch.int64, device=device)]
+    ends = []
+    for mb, offset in zip(micro_batches, offsets):
+        c = mb["cu_seqlens"].to(device=device, dtype=torch.int64)
+        cu.append(c[1:] + offset)
+        ends.append(torch.stack([c[0], c[-1]]))
+    cu_all = torch.cat(cu)
+    if ends:  # each micro-batch's cu_seqlens run from 0 to its token count (checked on the device, read once)
+        want = upload([[0, n] for n in sizes], torch.int64, device)
+        checks.add((torch.stack(ends) != want).any(),
+                   "a micro-batch's cu_seqlens do not run from 0 to its number of tokens (loss_mask.numel()); give "
+                   "each micro-batch its own cu_seqlens [0, ..., N]",
+                   lambda: "micro-batch cu_seqlens (first, last) " + str([e.tolist() for e in ends]) +
+                           f" but the micro-batches hold {sizes} tokens (loss_mask.numel()); give each micro-batch "
+                           f"its own cu_seqlens [0, ..., N]")
     corr = compute_rollout_correction(cat("old_log_probs"), cat("rollout_log_probs"), mask, cu_all, config,
-                                      reducer=reducer)
+                                      reducer=reducer, checks=checks)
+    checks.raise_if_any()  # at most one host read for the global batch (the engine's flags included)
     counted = mask.bool() if config.rejected_in_denominator else corr.keep_mask.bool()
     norm = loss_normalizer(counted, cu_all, reducer)
     out, t0, s0 = [], 0, 0
@@ -100,8 +119,9 @@ def with_sample_fields(micro_batch: Dict[str, torch.Tensor]) -> Dict[str, torch.
       slime passes ``loss_masks``.
 
     Loss positions outside the response span (a prompt position with ``loss_mask`` 1) would be invisible to the
-    function: refused, naming the sample."""
-    cu = micro_batch["cu_seqlens"].tolist()
+    function: refused, naming the sample.  Two host reads whatever the number of sequences (the lengths, and one
+    flag for the masks); more only to name a bad sample."""
+    cu = micro_batch["cu_seqlens"].tolist()  # host metadata the contract needs as lists: one read
     mask = micro_batch["loss_mask"]
     lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
     given = micro_batch.get("response_lengths")
@@ -112,19 +132,32 @@ def with_sample_fields(micro_batch: Dict[str, torch.Tensor]) -> Dict[str, torch.
         if len(responses) != len(lengths):
             raise ValueError(f"micro_batch['response_lengths'] has {len(responses)} entries for {len(lengths)} "
                              f"sequences (cu_seqlens {cu}); give one response length per packed sequence")
-    masks = []
-    for i, (a, n, r) in enumerate(zip(cu[:-1], lengths, responses)):
-        if n and not 0 <= r <= n - 1:
-            raise ValueError(f"sequence {i}: response length {r} does not fit its {n} tokens: a response of R "
-                             f"tokens needs a prompt of at least one token (R <= {n - 1}); fix "
-                             f"micro_batch['response_lengths'][{i}]")
-        start = a + n - r - 1 if n else a
-        outside = torch.cat([mask[a:start], mask[start + r:a + n]])
-        if bool((outside != 0).any()):
+    unfit = next((i for i, (n, r) in enumerate(zip(lengths, responses)) if n and not 0 <= r <= n - 1), None)
+    checked = len(lengths) if unfit is None else unfit  # sequences before the first that does not fit
+    starts = [a + n - r - 1 if n else a for a, n, r in zip(cu[:-1], lengths, responses)]
+    if checked and cu[checked] > cu[0]:
+        # one flag per token: loss_mask non-zero outside its sequence's response span; read once for the batch
+        device = mask.device
+        n_tok = cu[checked] - cu[0]
+        seq = torch.repeat_interleave(torch.arange(checked, device=device),
+                                      upload(lengths[:checked], torch.int64, device), output_size=n_tok)
+        lo = upload(starts[:checked], torch.int64, device)[seq]
+        hi = lo + upload(responses[:checked], torch.int64, device)[seq]
+        row = torch.arange(cu[0], cu[checked], device=device)
+        outside = (mask.reshape(-1)[cu[0]:cu[checked]] != 0) & ((row < lo) | (row >= hi))
+        bad = torch.zeros(checked, dtype=torch.int64, device=device).index_add_(0, seq, outside.long())
+        if bool(outside.any()):  # slow path: name the first such sequence
+            i = int(torch.nonzero(bad)[0, 0])
+            a, n, r, start = cu[i], lengths[i], responses[i], starts[i]
             raise ValueError(f"sequence {i}: loss_mask is non-zero outside its response (positions "
                              f"{start - a}..{start - a + r - 1} of {n}); a TIS function only sees response tokens: "
                              f"set micro_batch['response_lengths'][{i}] to cover them or zero the mask there")
-        masks.append(mask[start:start + r].to(torch.int))
+    if unfit is not None:
+        i, n, r = unfit, lengths[unfit], responses[unfit]
+        raise ValueError(f"sequence {i}: response length {r} does not fit its {n} tokens: a response of R "
+                         f"tokens needs a prompt of at least one token (R <= {n - 1}); fix "
+                         f"micro_batch['response_lengths'][{i}]")
+    masks = [mask[start:start + r].to(torch.int) for start, r in zip(starts, responses)]
     out = dict(micro_batch)
     out["sample_lengths"] = lengths
     out["sample_response_lengths"] = responses
@@ -136,17 +169,45 @@ def _function_name(fn: Callable) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', getattr(fn, '__name__', repr(fn)))}"
 
 
-def _flat(value, what: str) -> torch.Tensor:
+def _flat(value, what: str, device=None) -> torch.Tensor:
     if isinstance(value, (list, tuple)):
-        return torch.cat([torch.as_tensor(v).reshape(-1) for v in value]) if len(value) else torch.zeros(0)
+        return (torch.cat([torch.as_tensor(v, device=device).reshape(-1) for v in value]) if len(value)
+                else torch.zeros(0, device=device))
     if isinstance(value, torch.Tensor):
         return value.reshape(-1)
     raise ValueError(f"{what} is a {type(value).__name__}; expected a tensor (or a list of per-sample tensors)")
 
 
+def _held_ranges(lengths: Sequence[int], responses: Sequence[int], cp_size: int, cp_rank: int):
+    """Host arithmetic (no tensor): where this rank's response log-probs sit in its packed stream.  Returns the local
+    length of each sequence and, per held run of consecutive response positions, ``(sample, row, j, count)``: rows
+    ``row .. row + count - 1`` of the local stream hold response log-probs ``j .. j + count - 1`` (slime's zigzag
+    layout, :mod:`slime_rc.megatron.cp_layout`: a rank's chunks are contiguous position ranges)."""
+    from slime_rc.megatron.cp_layout import zigzag_chunk_size
+    local, runs, row0 = [], [], 0
+    for i, (total, resp) in enumerate(zip(lengths, responses)):
+        if cp_size == 1:
+            chunks = [(0, total, 0)]  # (first position, end position, first local row)
+            n = total
+        else:
+            c = zigzag_chunk_size(total, cp_size)
+            second = 2 * cp_size - 1 - cp_rank
+            chunks = [(cp_rank * c, (cp_rank + 1) * c, 0), (second * c, (second + 1) * c, c)]
+            n = 2 * c
+        first = total - resp - 1  # position of response log-prob 0
+        for lo, hi, off in chunks:
+            a, b = max(lo, first), min(hi, first + resp)
+            if a < b:
+                runs.append((i, row0 + off + a - lo, a - first, b - a))
+        local.append(n)
+        row0 += n
+    return local, runs
+
+
 def tis_function_correction(tis_function: Callable, args, micro_batch: Dict[str, torch.Tensor],
                             train_log_probs: torch.Tensor, *,
-                            config: Optional[RolloutCorrectionConfig] = None) -> CorrectionResult:
+                            config: Optional[RolloutCorrectionConfig] = None,
+                            checks: Optional[DeferredChecks] = None) -> CorrectionResult:
     """Weights and keep mask of this rank's tokens from a function written to slime's TIS contract (slime's
     ``--custom-tis-function-path``; see ``docs/losses.md``), called as slime calls it::
 
@@ -170,92 +231,152 @@ def tis_function_correction(tis_function: Callable, args, micro_batch: Dict[str,
     finishes slime's reduction over micro-batches and DP x CP.
 
     ``micro_batch``: this rank's tokens with ``position_ids``, ``cp_size`` / ``cp_rank`` and the fields of
-    :func:`with_sample_fields`."""
+    :func:`with_sample_fields`.
+
+    No host read of its own (what the function does is its own): which rows hold which response log-probs is host
+    arithmetic on ``sample_lengths`` / ``sample_response_lengths``; that ``position_ids`` and ``cu_seqlens`` agree
+    with it is a deferred check in ``checks`` (the caller's, read once per micro-batch; without one this call makes
+    its own and reads it at the end)."""
     from slime_rc.megatron.cp_layout import response_positions, zigzag_response_indices
 
     missing = [k for k in ("position_ids", "sample_lengths", "sample_loss_masks") if k not in micro_batch]
     if missing:
         raise ValueError(f"a custom TIS function needs {', '.join(missing)} in the micro-batch: run "
                          f"slime_rc.megatron.loss.with_sample_fields on it before CP sharding")
+    own_checks = checks is None
+    if own_checks:
+        checks = DeferredChecks(read=config is None or config.on_nonfinite == "error")
     name = _function_name(tis_function)
     if config is not None:
         from slime_rc.config.slime_attributes import with_slime_attributes
         args = with_slime_attributes(args, config)
     per_token_loss = bool(getattr(args, "calculate_per_token_loss", False))
     cp_size, cp_rank = int(micro_batch.get("cp_size", 1)), int(micro_batch.get("cp_rank", 0))
-    cu, pos = micro_batch["cu_seqlens"].tolist(), micro_batch["position_ids"]
+    cu_dev, pos = micro_batch["cu_seqlens"], micro_batch["position_ids"].reshape(-1)
     lengths = [int(n) for n in micro_batch["sample_lengths"]]
     responses = [int(r) for r in micro_batch.get("sample_response_lengths", [max(n - 1, 0) for n in lengths])]
-    full_masks = list(micro_batch["sample_loss_masks"])
-    if not len(lengths) == len(responses) == len(full_masks) == len(cu) - 1:
-        raise ValueError(f"micro-batch has {len(cu) - 1} sequences but {len(lengths)} sample_lengths, "
+    full_masks = [m.reshape(-1) for m in micro_batch["sample_loss_masks"]]
+    n_seq = cu_dev.numel() - 1
+    if not len(lengths) == len(responses) == len(full_masks) == n_seq:
+        raise ValueError(f"micro-batch has {n_seq} sequences but {len(lengths)} sample_lengths, "
                          f"{len(responses)} sample_response_lengths and {len(full_masks)} sample_loss_masks: run "
                          f"with_sample_fields on the unsharded micro-batch")
-    rollout = micro_batch["rollout_log_probs"]
-    picks, held = [], []
-    for i, (total, resp) in enumerate(zip(lengths, responses)):
-        rows = torch.arange(cu[i], cu[i + 1])
-        keep, j = response_positions(pos[cu[i]:cu[i + 1]], total, resp)
-        want = zigzag_response_indices(total, resp, cp_size, cp_rank)
-        if not torch.equal(j[keep].cpu(), want):
-            raise RuntimeError(f"sample {i} (total {total}, response {resp}): this rank holds response positions "
-                               f"{j[keep].tolist()}, slime's zigzag layout (cp {cp_size}, rank {cp_rank}) gives "
-                               f"{want.tolist()}; shard the micro-batch with slime_rc.demo.model.shard_micro_batch")
-        picks.append(rows[keep])
-        held.append(want)
-    idx = torch.cat(picks) if picks else torch.zeros(0, dtype=torch.int64)
-    n_local = idx.numel()
-    train = train_log_probs.detach().float()
+    short = [i for i, (m, r) in enumerate(zip(full_masks, responses)) if m.numel() < r]
+    if short:
+        i = short[0]
+        raise ValueError(f"sample_loss_masks[{i}] has {full_masks[i].numel()} entries for a response of "
+                         f"{responses[i]} tokens: run with_sample_fields on the unsharded micro-batch")
+    train = train_log_probs.detach().float().reshape(-1)
+    device, n = train.device, train.numel()
+    local, runs = _held_ranges(lengths, responses, cp_size, cp_rank)
+    if sum(local) != n or pos.numel() != n:
+        raise ValueError(f"this rank's micro-batch holds {n} log-probs and {pos.numel()} position_ids, but its "
+                         f"{len(lengths)} samples of lengths {lengths} take {sum(local)} positions on CP rank "
+                         f"{cp_rank} of {cp_size} (slime's zigzag layout); shard the micro-batch with "
+                         f"slime_rc.demo.model.shard_micro_batch")
+    counts = [0] * len(lengths)
+    for i, _, _, c in runs:
+        counts[i] += c
+    n_local = sum(counts)
+
+    # per held token (device, no read): its row in the stream, its response index j and its sample
+    run_meta = upload([[row, j, i] for i, row, j, _ in runs] or [[0, 0, 0]], torch.int64, device)
+    run_len = upload([c for *_, c in runs] or [0], torch.int64, device)
+    which = torch.repeat_interleave(torch.arange(run_len.numel(), device=device), run_len, output_size=n_local)
+    within = torch.arange(n_local, device=device) - (torch.cumsum(run_len, 0) - run_len)[which]
+    idx = run_meta[which, 0] + within
+    jj = run_meta[which, 1] + within
+    sample = run_meta[which, 2]
+
+    # the layout the positions say must be the one computed above (checked on the device, read once by the caller)
+    first = upload([t - r - 1 for t, r in zip(lengths, responses)], torch.int64, device)
+    seq_of_row = torch.repeat_interleave(torch.arange(len(lengths), device=device),
+                                         upload(local, torch.int64, device), output_size=n)
+    j_of_row = pos.to(torch.int64) - first[seq_of_row]  # response_positions, per row of every sample
+    holds = (j_of_row >= 0) & (j_of_row < upload(responses, torch.int64, device)[seq_of_row])
+    cu_want = upload([0] + local, torch.int64, device).cumsum(0)
+    bad_layout = ((holds.sum() != n_local) | (pos[idx] != first[sample] + jj).any()
+                  | (cu_dev.to(torch.int64) != cu_want).any())
+
+    def layout_message() -> str:  # slow path: the first sample whose positions differ, as before
+        cu = cu_dev.tolist()
+        if cu != cu_want.tolist():
+            return (f"cu_seqlens {cu} do not match the samples' lengths on this rank {local} (cp {cp_size}, rank "
+                    f"{cp_rank}); shard the micro-batch with slime_rc.demo.model.shard_micro_batch")
+        for i, (total, resp) in enumerate(zip(lengths, responses)):
+            keep, j = response_positions(pos[cu[i]:cu[i + 1]], total, resp)
+            want = zigzag_response_indices(total, resp, cp_size, cp_rank)
+            if not torch.equal(j[keep].cpu(), want):
+                return (f"sample {i} (total {total}, response {resp}): this rank holds response positions "
+                        f"{j[keep].tolist()}, slime's zigzag layout (cp {cp_size}, rank {cp_rank}) gives "
+                        f"{want.tolist()}; shard the micro-batch with slime_rc.demo.model.shard_micro_batch")
+        return "position_ids do not follow slime's zigzag layout; shard with slime_rc.demo.model.shard_micro_batch"
+    checks.add(bad_layout, f"position_ids / cu_seqlens of this rank do not follow slime's zigzag layout (cp "
+                           f"{cp_size}, rank {cp_rank}) of sample_lengths; shard the micro-batch with "
+                           f"slime_rc.demo.model.shard_micro_batch", layout_message)
+
+    rollout = micro_batch["rollout_log_probs"].reshape(-1)
     result = tis_function(
-        args=args, pg_loss=torch.ones(n_local), train_log_probs=[train[p] for p in picks],
-        rollout_log_probs=[rollout[p].float() for p in picks], loss_masks=full_masks, total_lengths=lengths,
-        response_lengths=responses)
+        args=args, pg_loss=torch.ones(n_local, device=device), train_log_probs=list(train[idx].split(counts)),
+        rollout_log_probs=list(rollout[idx].float().split(counts)), loss_masks=list(micro_batch["sample_loss_masks"]),
+        total_lengths=lengths, response_lengths=responses)
     if not (isinstance(result, (tuple, list)) and len(result) == 3):
         raise ValueError(f"TIS function {name} returned {type(result).__name__}; slime's contract is a tuple "
                          f"(pg_loss, modified_masks, metrics)")
     pg, masks, metrics = result
-    pg = _flat(pg, f"TIS function {name}: pg_loss").detach().float()
+    pg = _flat(pg, f"TIS function {name}: pg_loss", device).detach().float()
     if pg.numel() != n_local:
         raise ValueError(f"TIS function {name} returned pg_loss of {pg.numel()} values; it was given {n_local} "
                          f"(this rank's response tokens, CP-local) and must return as many")
     if masks is None or len(masks) != len(lengths):
         raise ValueError(f"TIS function {name} returned {'no' if masks is None else len(masks)} modified masks "
                          f"for {len(lengths)} samples; return one mask per sample (full response length)")
-    local_masks = []
-    for i, (m, j, resp) in enumerate(zip(masks, held, responses)):
-        m = torch.as_tensor(m).reshape(-1)
-        if m.numel() == resp:
-            local_masks.append(m[j].float())
-        elif m.numel() == j.numel():
-            local_masks.append(m.float())
-        else:
+    flat_masks, full_length = [], []
+    for i, (m, resp, c) in enumerate(zip(masks, responses, counts)):
+        m = torch.as_tensor(m, device=device).reshape(-1)
+        if m.numel() not in (resp, c):
             raise ValueError(f"TIS function {name}: modified mask of sample {i} has {m.numel()} entries; expected "
-                             f"the full response length {resp} (slime's contract) or this rank's {j.numel()} "
+                             f"the full response length {resp} (slime's contract) or this rank's {c} "
                              f"response tokens (cp {cp_size}, rank {cp_rank})")
-    n = train.numel()
-    weights = torch.zeros(n).index_copy(0, idx, pg)
-    kept = torch.cat(local_masks) if local_masks else torch.zeros(0)
-    keep = torch.zeros(n).index_copy(0, idx, kept) * micro_batch["loss_mask"].float()
+        flat_masks.append(m)
+        full_length.append(m.numel() == resp)
+    # each held token's entry of its sample's mask: j of a full-length mask, its rank-local index of a local one
+    mask_start = [0]
+    for m in flat_masks[:-1]:
+        mask_start.append(mask_start[-1] + m.numel())
+    local_start = [0]
+    for c in counts[:-1]:
+        local_start.append(local_start[-1] + c)
+    per_sample = upload([[a, f, l] for a, f, l in zip(mask_start, full_length, local_start)] or [[0, 0, 0]],
+                        torch.int64, device)
+    at = per_sample[sample, 0] + torch.where(per_sample[sample, 1] != 0, jj,
+                                             torch.arange(n_local, device=device) - per_sample[sample, 2])
+    kept = (torch.cat(flat_masks)[at].float() if flat_masks else torch.zeros(0, device=device))
+    weights = torch.zeros(n, device=device).index_copy(0, idx, pg.to(device))
+    keep = torch.zeros(n, device=device).index_copy(0, idx, kept) * micro_batch["loss_mask"].reshape(-1).float()
 
     # slime's reduction of the function's metrics (per micro-batch, this rank's share): per-sample masked sum over
     # the ORIGINAL loss mask / the sample's full mask sum (clamped to 1); a token sum with per-token loss
-    orig = [full_masks[i].reshape(-1)[j].double() for i, j in enumerate(held)]
-    counts = [j.numel() for j in held]
-    denoms = [1.0 if per_token_loss else max(float(full_masks[i].sum()), 1.0) for i in range(len(held))]
+    if full_masks:
+        bounds = upload([0] + [m.numel() for m in full_masks], torch.int64, device).cumsum(0)
+        orig_flat = torch.cat(full_masks).to(device).double()
+        orig = orig_flat[bounds[:-1][sample] + jj]
+        denoms = segment_sum(orig_flat, bounds).clamp(min=1.0)  # each sample's full mask sum, at least 1
+    else:
+        orig = torch.zeros(0, dtype=torch.float64, device=device)
+    scale = orig if (per_token_loss or not full_masks) else orig / denoms[sample]
     out = {}
     if not isinstance(metrics, dict):
         raise ValueError(f"TIS function {name} returned metrics of type {type(metrics).__name__}; slime's contract "
                          f"is a dict name -> per-token tensor (CP-local)")
     for key, value in metrics.items():
-        flat = _flat(value, f"TIS function {name}: metric {key!r}").detach().double()
+        flat = _flat(value, f"TIS function {name}: metric {key!r}", device).detach().double()
         if flat.numel() != n_local:
             raise ValueError(f"TIS function {name}: metric {key!r} has {flat.numel()} values; expected one per "
                              f"response token this rank was given ({n_local}, CP-local, like pg_loss)")
-        parts = flat.split(counts) if counts else []
-        total = torch.zeros((), dtype=torch.float64)
-        for x, m, d in zip(parts, orig, denoms):
-            total = total + (x * m).sum() / d
-        out[TIS_FUNCTION_PREFIX + str(key)] = total
+        out[TIS_FUNCTION_PREFIX + str(key)] = (flat.to(device) * scale).sum()
+    if own_checks:
+        checks.raise_if_any()
     return CorrectionResult(is_weights=weights * keep, keep_mask=keep, metrics=out)
 
 
@@ -289,12 +410,14 @@ def reduce_tis_function_metrics(micro_batch_metrics: Sequence[Dict[str, torch.Te
         group, megatron_cp = megatron_step_group()
         cp_size = megatron_cp if cp_size is None else cp_size
     cp_size = 1 if cp_size is None else int(cp_size)
-    values = torch.zeros(len(keys) + 1, dtype=torch.float64)
-    for m in micro_batch_metrics:
-        for i, k in enumerate(keys):
-            if k in m:
-                values[i] += float(m[k])
-    values[-1] = tis_function_metric_count(local_micro_batches, per_token)
+    found = [m[k] for m in micro_batch_metrics for k in keys if k in m and isinstance(m[k], torch.Tensor)]
+    device = found[0].device if found else torch.device("cpu")
+    # once per step, after the last micro-batch: the sums stay on the metrics' device (no read until the end)
+    sums = [sum((torch.as_tensor(m[k], dtype=torch.float64, device=device) for m in micro_batch_metrics if k in m),
+                torch.zeros((), dtype=torch.float64, device=device)) for k in keys]
+    count = torch.as_tensor(tis_function_metric_count(local_micro_batches, per_token), dtype=torch.float64,
+                            device=device)
+    values = torch.stack(sums + [count])
     values = sum_named_values(keys, values, group=group,
                               what="the TIS function's metrics (slime sums each name over DP x CP: return the same "
                                    "keys on every rank)")
@@ -323,18 +446,22 @@ def policy_loss(logits: torch.Tensor, micro_batch: Dict[str, torch.Tensor], conf
                          f"its mode uses)")
     log_probs = vocab_parallel_log_probs(logits.reshape(-1, logits.shape[-1]), micro_batch["targets"].reshape(-1),
                                          temperature)
+    # every check of the micro-batch (the bridge's, the engine's, the loss's) is read once, at the end
+    checks = DeferredChecks(read=config.on_nonfinite == "error")
     kwargs = {}
     if prepared is not None:
         kwargs = dict(correction=prepared.correction, normalizer=prepared.normalizer)
     elif tis_function is not None:
         train = log_probs if config.mode == "bypass" else micro_batch["old_log_probs"]
-        kwargs = dict(correction=tis_function_correction(tis_function, tis_args, micro_batch, train, config=config))
+        kwargs = dict(correction=tis_function_correction(tis_function, tis_args, micro_batch, train, config=config,
+                                                         checks=checks))
         # slime's contract: a TIS function's masks zero numerators only; the denominators stay the original masks'
         config = replace(config, rejected_in_denominator=True)
     loss, metrics = compute_policy_loss(
         log_probs, micro_batch.get("old_log_probs"), micro_batch.get("rollout_log_probs"),
         micro_batch["advantages"], micro_batch["loss_mask"], micro_batch["cu_seqlens"], config,
-        reducer=reducer if reducer is not None else _cp_reducer(), **kwargs)
+        reducer=reducer if reducer is not None else _cp_reducer(), checks=checks, **kwargs)
+    checks.raise_if_any()  # the micro-batch's one host read with on_nonfinite='error', none with 'reject'
     return loss * scale, {k: v.detach() for k, v in metrics.items()}
 
 

@@ -21,17 +21,22 @@ SAFETY_BOUND).  With ``n_i = sum mask``, ``S_i = sum lr * mask`` (masked sums ov
 
 The IS weight returned for a rejected token is its bounded weight (as slime returns it); the returned keep mask
 is what removes it from the loss.  Metrics are slime's, per token, for slime's original-mask per-sample mean.
+
+No host read: every tensor is made on the inputs' device, no branch depends on a device value, and the check for
+non-finite log-probs on loss tokens is a flag in a :class:`~slime_rc.correction.checks.DeferredChecks` (the
+caller's, read once per call with the caller's other checks).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 
-from slime_rc.correction.packed import segment_max, segment_sum
+from slime_rc.correction.checks import DeferredChecks
+from slime_rc.correction.packed import segment_sum
 from slime_rc.correction.reducer import LocalReducer, as_reducer
 from slime_rc.slime.settings import SlimeMisSettings
 
@@ -75,14 +80,56 @@ def _level_log_ratio(level: str, lr: torch.Tensor, s: torch.Tensor, n_safe: torc
     return None, s if level == "sequence" else s / n_safe
 
 
+def add_nonfinite_check(checks: DeferredChecks, bad: torch.Tensor, describe_token: Optional[Callable[[int], str]],
+                        fix: str, *, bad_per_sequence: Optional[torch.Tensor] = None) -> None:
+    """Defer the check for non-finite log-probs on loss tokens: ``bad`` ``[N]`` bool marks this rank's; with
+    ``bad_per_sequence`` ``[B]`` (counts combined over the CP group) every rank of the group raises together.  On
+    the slow path (raising anyway) it raises :class:`NonFiniteLogProbs` naming the sample and position when this
+    rank holds the token (``describe_token(j)``), the sample otherwise."""
+    count = bad.sum() if bad_per_sequence is None else bad_per_sequence.sum()
+
+    def describe() -> str:
+        local = torch.nonzero(bad)
+        if local.numel() and describe_token is not None:
+            where = describe_token(int(local[0, 0]))
+        else:
+            first = int(torch.nonzero(bad_per_sequence if bad_per_sequence is not None else bad)[0, 0])
+            where = f"sample {first} (its non-finite token is held by another context-parallel rank)"
+        raise NonFiniteLogProbs(f"non-finite log-prob on a loss token: {where}. {fix}")
+    checks.add(count, f"non-finite log-prob on a loss token. {fix}", describe)
+
+
+def _segment_max(values: torch.Tensor, seq_of_token: torch.Tensor, n_seqs: int) -> torch.Tensor:
+    """Per-sequence maxima ``[N] -> [B]`` float64, ``-inf`` for an empty sequence: one scatter (no host read, unlike
+    ``segment_reduce``, which reads its offsets on a GPU)."""
+    out = torch.full((n_seqs,), -math.inf, dtype=torch.float64, device=values.device)
+    return out.scatter_reduce(0, seq_of_token, values.double(), "amax", include_self=True)
+
+
+_NONFINITE_FIX = ("slime's example would put NaN into pg_loss; fix the log-prob source (SGLang reports NaN/inf as "
+                  "null) or mask such tokens out of loss_masks.")
+
+
 def slime_mis(settings: SlimeMisSettings, train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor,
               cu_seqlens: torch.Tensor, *, reducer: Optional[LocalReducer] = None,
-              describe_token=None) -> SlimeMisResult:
+              describe_token=None, checks: Optional[DeferredChecks] = None) -> SlimeMisResult:
     """slime's mis computation for packed tokens (see the module docstring).
 
-    ``describe_token(j) -> str``: names packed index ``j`` (sample and response position) for the error raised on
-    a non-finite log-prob of a loss token; every rank of the CP group raises, none waits in a collective.
+    ``checks``: where the check for a non-finite log-prob on a loss token goes (the caller reads it); without it
+    this call reads it once at the end and raises.  ``describe_token(j) -> str``: names packed index ``j`` (sample
+    and response position) for that error; every rank of the CP group raises (the count is combined over the
+    group), none waits in a collective.
     """
+    own = checks is None
+    checks = DeferredChecks() if own else checks
+    result = _slime_mis(settings, train, rollout, mask, cu_seqlens, reducer, describe_token, checks)
+    if own:
+        checks.raise_if_any()
+    return result
+
+
+def _slime_mis(settings: SlimeMisSettings, train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor,
+               cu_seqlens: torch.Tensor, reducer, describe_token, checks: DeferredChecks) -> SlimeMisResult:
     s = settings
     reducer = as_reducer(reducer)
     dev = train.device
@@ -124,20 +171,13 @@ def slime_mis(settings: SlimeMisSettings, train: torch.Tensor, rollout: torch.Te
         maxes["w_neg_min"] = torch.where(m_bool, -w_tok, -math.inf)
     zeros = torch.zeros(n_seqs, 0, dtype=torch.float64, device=dev)
     local_sums = torch.stack([segment_sum(v, cu_seqlens) for v in sums.values()], 1)
-    local_maxes = torch.stack([segment_max(v, cu_seqlens) for v in maxes.values()], 1) if maxes else zeros
+    local_maxes = torch.stack([_segment_max(v, seq_of_token, n_seqs) for v in maxes.values()], 1) if maxes else zeros
     g_sums, g_maxes = reducer.combine_sequences(local_sums, local_maxes)
     col = dict(zip(sums, g_sums.unbind(1)))
     col.update(zip(maxes, g_maxes.unbind(1)))
 
-    bad_seqs = col["bad"] > 0
-    if bool(bad_seqs.any()):  # the one host read of this call; every CP rank sees the combined count
-        first = int(torch.nonzero(bad_seqs)[0, 0])
-        local = torch.nonzero(bad)
-        where = describe_token(int(local[0, 0])) if (local.numel() and describe_token) else \
-            f"sample {first} (its non-finite token is held by another context-parallel rank)"
-        raise NonFiniteLogProbs(
-            f"non-finite log-prob on a loss token: {where}. slime's example would put NaN into pg_loss; fix the "
-            f"log-prob source (SGLang reports NaN/inf as null) or mask such tokens out of loss_masks.")
+    # the check of this call, deferred: every CP rank sees the combined count
+    add_nonfinite_check(checks, bad, describe_token, _NONFINITE_FIX, bad_per_sequence=col["bad"])
 
     n = col["n"]
     has = n > 0

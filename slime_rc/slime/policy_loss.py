@@ -39,18 +39,19 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import replace
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from slime_rc.config.arguments import SLIME_OWNED_FLAGS, config_from_args
 from slime_rc.config.knobs import dest_of
 from slime_rc.config.schema import RolloutCorrectionConfig
+from slime_rc.correction.checks import DeferredChecks
 from slime_rc.correction.engine import compute_rollout_correction
-from slime_rc.correction.packed import cu_seqlens_from_lengths
+from slime_rc.correction.packed import segment_sum, upload
 from slime_rc.correction.reducer import megatron_context_parallel
 from slime_rc.losses import LossNormalizer, compute_policy_loss, loss_normalizer
-from slime_rc.megatron.cp_layout import response_positions, zigzag_token_positions
+from slime_rc.megatron.cp_layout import zigzag_chunk_size
 from slime_rc.megatron.logprobs import vocab_parallel_log_probs
 
 PATH = "slime_rc.slime.policy_loss_function"
@@ -119,10 +120,56 @@ def _check_args(args: Any, config: RolloutCorrectionConfig) -> Tuple[bool, float
 
 
 # ---- slime's batch on this rank ----------------------------------------------------------------------------------
-class _Layout:
-    """This rank's response tokens of each sample: logit rows, target tokens, response indices, original masks."""
+def response_runs(total: int, response: int, cp_size: int, cp_rank: int) -> Tuple[int, List[Tuple[int, int, int]]]:
+    """Where ``cp_rank`` holds a sample's response log-probs, in Python ints (no tensor, no host read):
+    ``(local positions, [(local position, response index j, length), ...])``, at most two runs (one per zigzag
+    chunk), in the rank's local order.  The same layout as :func:`~slime_rc.megatron.cp_layout.zigzag_token_positions`
+    and :func:`~slime_rc.megatron.cp_layout.response_positions` (log-prob ``j`` sits at position
+    ``total - response - 1 + j``), as runs of consecutive tokens instead of per-token index tensors."""
+    if not (isinstance(cp_size, int) and cp_size >= 1) or not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_size={cp_size!r}, cp_rank={cp_rank!r}: need an int cp_size >= 1 and 0 <= cp_rank < "
+                         f"cp_size")
+    if cp_size == 1:
+        local, chunks = total, ((0, total, 0),)
+    else:
+        c = zigzag_chunk_size(total, cp_size)
+        second = 2 * cp_size - 1 - cp_rank
+        local, chunks = 2 * c, ((cp_rank * c, (cp_rank + 1) * c, 0), (second * c, (second + 1) * c, c))
+    first = total - response - 1  # the position of log-prob 0
+    runs = []
+    for lo, hi, at in chunks:
+        start, end = max(lo, first), min(hi, first + response)
+        if end > start:
+            runs.append((at + start - lo, start - first, end - start))
+    return local, runs
 
-    def __init__(self, batch: Dict[str, Any], n_rows: int, cp_size: int, cp_rank: int):
+
+def expand_runs(starts: Sequence[Sequence[int]], lengths: Sequence[int], n: int, device, *, width: int,
+                constant: int = 0) -> torch.Tensor:
+    """``[n, width]`` int64 index tensors for runs of consecutive tokens: the ``i``-th token of run ``r`` holds
+    ``starts[r][c] + i`` in column ``c``, or ``starts[r][c]`` in the last ``constant`` columns (such as the run's
+    sample).  Built on ``device`` from O(runs) Python ints with one upload and no host read (``repeat_interleave``
+    is told its output size)."""
+    k = width
+    stepping = k - constant
+    rows, total = [], 0
+    for row, length in zip(starts, lengths):
+        rows.append([s - total for s in row[:stepping]] + list(row[stepping:]) + [length])
+        total += length
+    if total != n:
+        raise ValueError(f"runs of {total} tokens for {n} tokens")
+    table = upload(rows, torch.int64, device).reshape(-1, k + 1)
+    base = torch.repeat_interleave(table[:, :k], table[:, k], dim=0, output_size=n)
+    step = base[:, :stepping] + torch.arange(n, dtype=torch.int64, device=base.device)[:, None]
+    return torch.cat([step, base[:, stepping:]], 1) if constant else step
+
+
+class _Layout:
+    """This rank's response tokens of each sample: logit rows, target tokens, original masks, all gathered with index
+    tensors built from slime's per-sample Python ints (``total_lengths``, ``response_lengths``) -- no host read, a
+    fixed number of kernels whatever the number of samples."""
+
+    def __init__(self, batch: Dict[str, Any], n_rows: int, cp_size: int, cp_rank: int, device: torch.device):
         missing = [k for k in REQUIRED if batch.get(k) is None]
         if missing:
             raise ValueError(f"{PATH}: slime's batch lacks {', '.join(missing)} (it needs {', '.join(REQUIRED)}; "
@@ -134,30 +181,46 @@ class _Layout:
         if len(set(sizes.values())) != 1:
             raise ValueError(f"{PATH}: one entry per sample in slime's batch: " +
                              ", ".join(f"{k} {v}" for k, v in sizes.items()))
-        rows, targets, held, offset = [], [], [], 0
+        # runs of consecutive response tokens: (logit row, token index, full-mask index, sample) at their start
+        starts, lengths, self.runs, counts = [], [], [], []
+        offset = tok_offset = mask_offset = 0
         for i, (tok, total, resp, mask) in enumerate(zip(tokens, totals, responses, masks)):
             if not 0 <= resp < total or tok.numel() < total or mask.numel() != resp:
                 raise ValueError(f"{PATH}: sample {i}: total_lengths {total}, response_lengths {resp}, "
                                  f"{tok.numel()} unconcat_tokens and a loss mask of {mask.numel()}: a response "
                                  f"needs a prompt of >= 1 token, the tokens and a full-length mask")
-            pos = zigzag_token_positions(total, cp_size, cp_rank, device=tok.device)
-            here, j = response_positions(pos, total, resp)
-            rows.append(offset + torch.nonzero(here).reshape(-1))
-            targets.append(tok.reshape(-1)[pos[here] + 1].long())
-            held.append(j[here])
-            offset += pos.numel()
+            local, runs = response_runs(total, resp, cp_size, cp_rank)
+            for at, j, length in runs:
+                # log-prob j sits at position total - resp - 1 + j and scores token total - resp + j
+                starts.append((offset + at, tok_offset + total - resp + j, mask_offset + j, i))
+                lengths.append(length)
+                self.runs.append((i, j, length))
+            counts.append(sum(length for _, _, length in runs))
+            offset += local
+            tok_offset += tok.numel()
+            mask_offset += resp
         if offset > n_rows:
             raise ValueError(f"{PATH}: the logits hold {n_rows} positions but this rank's samples need {offset} "
                              f"(CP {cp_size}, rank {cp_rank}); pass the logits of the same micro-batch")
-        device = tokens[0].device if tokens else torch.device("cpu")
-        self.n_samples, self.totals, self.responses, self.held = len(held), totals, responses, held
-        self.counts = [j.numel() for j in held]
-        self.rows = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64, device=device)
-        self.targets = torch.cat(targets) if targets else torch.zeros(0, dtype=torch.int64, device=device)
-        self.cu_seqlens = cu_seqlens_from_lengths(self.counts, device=device)
-        self.full_masks = masks
-        local = [m.reshape(-1)[j] for m, j in zip(masks, held)]
-        self.mask = (torch.cat(local) != 0) if local else torch.zeros(0, dtype=torch.bool, device=device)
+        self.device = device
+        self.n_samples, self.totals, self.responses, self.counts = len(counts), totals, responses, counts
+        n = sum(counts)
+        # [N, 4]: logit row, token index, full-mask index, sample
+        index = expand_runs(starts, lengths, n, device, width=4, constant=1)
+        # the per-sample tensors, concatenated once and gathered once
+        self.rows, self.sample_of_token = index[:, 0], index[:, 3]
+        self.cu_seqlens = upload(_cumulative(counts), torch.int64, device)
+        if self.n_samples:
+            flat_tokens = torch.cat([t.reshape(-1) for t in tokens]).to(device, non_blocking=True)
+            self.targets = flat_tokens.index_select(0, index[:, 1]).long()
+            full = torch.cat([m.reshape(-1) for m in masks]).to(device, non_blocking=True)
+            self.mask = full.index_select(0, index[:, 2]) != 0
+            # each sample's full mask sum (slime's default denominator), float64 on the device
+            self.full_mask_sums = segment_sum(full, upload(_cumulative(responses), torch.int64, device))
+        else:
+            self.targets = torch.zeros(0, dtype=torch.int64, device=device)
+            self.mask = torch.zeros(0, dtype=torch.bool, device=device)
+            self.full_mask_sums = torch.zeros(0, dtype=torch.float64, device=device)
 
     def tokens(self, batch: Dict[str, Any], key: str, *, required: bool = True) -> Optional[torch.Tensor]:
         """``batch[key]`` (per sample, this rank's response tokens) packed to ``[N]`` float32, lengths checked."""
@@ -173,21 +236,37 @@ class _Layout:
                 raise ValueError(f"{PATH}: batch[{key!r}][{i}] holds {v.numel()} values; this CP rank holds {n} of "
                                  f"the sample's {self.responses[i]} response tokens (megatron's zigzag layout: "
                                  f"slime slices per-token keys with slice_log_prob_with_cp)")
-        return torch.cat([v.reshape(-1) for v in value]).float() if self.n_samples else torch.zeros(0)
+        if not self.n_samples:
+            return torch.zeros(0, device=self.device)
+        return torch.cat([v.reshape(-1) for v in value]).float().to(self.device, non_blocking=True)
 
     def describe(self, flat_index: int) -> str:
-        sample = int(torch.searchsorted(self.cu_seqlens, torch.tensor([flat_index], device=self.cu_seqlens.device),
-                                        right=True)[0]) - 1
-        j = int(self.held[sample][flat_index - int(self.cu_seqlens[sample])])
-        return f"sample {sample}, response token {j}"
+        """Sample and response token of packed index ``flat_index`` (Python ints only)."""
+        for sample, j, length in self.runs:
+            if flat_index < length:
+                return f"sample {sample}, response token {j + flat_index}"
+            flat_index -= length
+        raise IndexError("packed index past this rank's tokens")
 
 
-def _check_finite(layout: _Layout, keep: torch.Tensor, name: str, values: torch.Tensor) -> None:
+def _cumulative(values: Sequence[int]) -> List[int]:
+    out = [0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
+
+
+def _check_finite(checks: DeferredChecks, layout: _Layout, keep: torch.Tensor, name: str,
+                  values: torch.Tensor) -> None:
+    """A deferred check (no host read here): ``values`` finite at every kept loss token."""
     bad = keep & ~torch.isfinite(values)
-    if bool(bad.any()):
+
+    def describe() -> str:  # the slow path: raising anyway
         first = int(torch.nonzero(bad)[0, 0])
-        raise ValueError(f"{PATH}: {name} is {float(values[first])} at a loss token ({layout.describe(first)}); "
-                         f"fix the data (or zero that token's loss mask): it would put NaN into the gradient")
+        return (f"{PATH}: {name} is {float(values[first])} at a loss token ({layout.describe(first)}); fix the data "
+                f"(or zero that token's loss mask): it would put NaN into the gradient")
+    checks.add(bad.sum(), f"{PATH}: {name} is not finite at a loss token; fix the data (or zero that token's loss "
+                          f"mask): it would put NaN into the gradient", describe)
 
 
 def approx_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kl_type: str,
@@ -210,23 +289,28 @@ def approx_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kl_type: str
 
 def _denominators(batch: Dict[str, Any], layout: _Layout) -> torch.Tensor:
     """slime's per-sample denominators: ``batch["rollout_mask_sums"]`` (each rollout's mask total), else each
-    sample's full mask sum; float64 ``[B]``."""
+    sample's full mask sum; float64 ``[B]`` on the layout's device."""
     given = batch.get("rollout_mask_sums")
     if given is None:
-        return torch.tensor([float(m.sum()) for m in layout.full_masks], dtype=torch.float64)
-    d = torch.as_tensor(given).reshape(-1).double().cpu() if isinstance(given, torch.Tensor) else \
-        torch.tensor([float(x) for x in given], dtype=torch.float64)
+        return layout.full_mask_sums
+    if isinstance(given, torch.Tensor):
+        d = given.reshape(-1).to(device=layout.device, dtype=torch.float64, non_blocking=True)
+    elif len(given) and all(isinstance(x, torch.Tensor) for x in given):
+        d = torch.stack([x.reshape(()) for x in given]).to(device=layout.device, dtype=torch.float64,
+                                                            non_blocking=True)
+    else:
+        d = upload([float(x) for x in given], torch.float64, layout.device)
     if d.numel() != layout.n_samples:
         raise ValueError(f"{PATH}: batch['rollout_mask_sums'] has {d.numel()} entries for {layout.n_samples} samples")
     return d
 
 
-def _coefficients(per_sample: Optional[torch.Tensor], counts: Sequence[int], n: int, device) -> torch.Tensor:
+def _coefficients(per_sample: Optional[torch.Tensor], layout: _Layout, n: int, device) -> torch.Tensor:
     """``c_t`` with ``sum_t c_t x_t`` = slime's ``sum_of_sample_mean`` (``1 / max(D_i, 1)``), or its token sum."""
     if per_sample is None:
         return torch.ones(n, device=device)
     inv = torch.where(per_sample > 0, 1.0 / per_sample.clamp(min=1.0), 0.0).float().to(device)
-    return torch.repeat_interleave(inv, torch.as_tensor(counts, device=device), output_size=n)
+    return inv.index_select(0, layout.sample_of_token)
 
 
 # ---- the loss ----------------------------------------------------------------------------------------------------
@@ -235,14 +319,22 @@ def policy_loss_function(args: Any, batch: Dict[str, Any], logits: torch.Tensor,
     """slime's custom-loss contract: ``(loss, log)`` for one micro-batch on this rank (see the module docstring).
 
     ``sum_of_sample_mean`` (slime's reducer over the original masks) is accepted for the contract and not used:
-    the same reduction is done here with the correction's keep mask and denominators."""
+    the same reduction is done here with the correction's keep mask and denominators.
+
+    No host read on the way (a GPU stream never waits for this function): index tensors come from slime's Python
+    ints, every tensor is made on the logits' device, the log values stay tensors, and the checks of values
+    (non-finite log-probs, advantages, reference log-probs on loss tokens) are deferred: with
+    ``on_nonfinite='error'`` one host read at the end, after everything is queued; with ``'reject'`` none (the
+    engine rejects non-finite log-probs; the remaining checks become device-side asserts)."""
     config = resolve_config(args)
     per_token, temperature = _check_args(args, config)
     if not (isinstance(logits, torch.Tensor) and logits.dim() == 3 and logits.shape[0] == 1):
         raise ValueError(f"{PATH}: logits must be [1, T, V/tp] (slime's packed micro-batch), got "
                          f"{tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__}")
     cp_size, cp_rank, reducer = megatron_context_parallel()
-    layout = _Layout(batch, logits.shape[1], cp_size, cp_rank)
+    dev = logits.device
+    layout = _Layout(batch, logits.shape[1], cp_size, cp_rank, dev)
+    checks = DeferredChecks(read=config.on_nonfinite == "error")
     bypass = config.mode == "bypass"
     use_kl = bool(getattr(args, "use_kl_loss", False))
     entropy_coef = float(getattr(args, "entropy_coef", 0.0) or 0.0)
@@ -263,32 +355,33 @@ def policy_loss_function(args: Any, batch: Dict[str, Any], logits: torch.Tensor,
     correction = None
     if config.corrects or config.get_mismatch_metrics:
         train = log_probs.detach() if bypass else old
-        correction = compute_rollout_correction(train, rollout, mask, layout.cu_seqlens, config, reducer=reducer)
+        correction = compute_rollout_correction(train, rollout, mask, layout.cu_seqlens, config, reducer=reducer,
+                                                checks=checks)
     keep = mask if correction is None else (correction.keep_mask.bool() & mask)
     # what reaches the loss must be finite (the engine has already dealt with non-finite log-prob ratios)
-    _check_finite(layout, keep, "batch['advantages']", advantages)
+    _check_finite(checks, layout, keep, "batch['advantages']", advantages)
     if ref is not None:
-        _check_finite(layout, keep, "batch['ref_log_probs']", ref)
+        _check_finite(checks, layout, keep, "batch['ref_log_probs']", ref)
     if not bypass:
-        _check_finite(layout, keep, "batch['log_probs'] (pi_old)", old)
+        _check_finite(checks, layout, keep, "batch['log_probs'] (pi_old)", old)
 
     denominators = None if per_token else _denominators(batch, layout)
     counted = denominators
     if correction is not None and not per_token and not config.rejected_in_denominator:
-        rejected = loss_normalizer(mask & ~keep, layout.cu_seqlens, reducer).per_sequence.double().cpu()
+        rejected = loss_normalizer(mask & ~keep, layout.cu_seqlens, reducer).per_sequence.double()
         counted = denominators - rejected
-    one = torch.ones((), dtype=torch.float64)
+    one = torch.ones((), dtype=torch.float64, device=dev)
     normalizer = LossNormalizer(tokens=one, sequences=one,
-                                per_sequence=(torch.zeros(layout.n_samples, dtype=torch.float64) if counted is None
-                                              else counted).to(logits.device))
+                                per_sequence=(torch.zeros(layout.n_samples, dtype=torch.float64, device=dev)
+                                              if counted is None else counted).to(dev))
     pg_config = replace(config, loss_agg="token_mean" if per_token else "sample_mean")
     pg_loss, pg_metrics = compute_policy_loss(log_probs, old, rollout, advantages, mask, layout.cu_seqlens,
                                               pg_config, reducer=reducer, correction=correction,
-                                              normalizer=normalizer)
+                                              normalizer=normalizer, checks=checks)
 
-    n, dev = log_probs.numel(), log_probs.device
-    coef = _coefficients(counted, layout.counts, n, dev)  # the policy loss's (kept tokens)
-    coef_orig = _coefficients(denominators, layout.counts, n, dev)  # slime's original masks (mismatch metrics)
+    n = log_probs.numel()
+    coef = _coefficients(counted, layout, n, dev)  # the policy loss's (kept tokens)
+    coef_orig = _coefficients(denominators, layout, n, dev)  # slime's original masks (mismatch metrics)
     zero = torch.zeros((), device=dev)
 
     def kept_sum(x: torch.Tensor) -> torch.Tensor:
@@ -320,7 +413,13 @@ def policy_loss_function(args: Any, batch: Dict[str, Any], logits: torch.Tensor,
         log["ois"] = (torch.where(mask, d.exp(), zero) * coef_orig).sum()
         # the engine's micro-batch values (global over the CP group) in slime's step space: slime sums a key over
         # micro-batches and DP x CP ranks and divides by the step's samples (tokens with per-token loss)
-        weight = (sum(max(float(m.sum()), 1.0) for m in layout.full_masks) if per_token else layout.n_samples)
-        for key, value in correction.prefixed().items():
-            log[key] = value.detach().float().to(dev) * (weight / cp_size)
+        if per_token:  # the samples' full mask sums, each at least 1 (a device value: no read)
+            weight = (layout.full_mask_sums.clamp(min=1.0).sum() / cp_size).float()
+        else:
+            weight = layout.n_samples / cp_size
+        engine = correction.prefixed()
+        if engine:  # one stack, one scale: a few kernels for the ~40 metrics
+            log.update(zip(engine, (torch.stack([v.detach().reshape(()) for v in engine.values()]).float().to(dev)
+                                    * weight).unbind()))
+    checks.raise_if_any()  # the one host read of the call (none with on_nonfinite='reject')
     return loss, {k: v.detach().float().reshape(()) for k, v in log.items()}
