@@ -34,7 +34,7 @@ from slime_rc.correction.checks import DeferredChecks
 from slime_rc.correction.engine import CorrectionResult
 from slime_rc.correction.packed import upload
 from slime_rc.correction.reducer import megatron_context_parallel
-from slime_rc.slime.policy_loss import expand_runs, response_runs
+from slime_rc.megatron.cp_layout import expand_runs, response_runs
 
 TensorList = List[torch.Tensor]
 

@@ -99,16 +99,15 @@ def compute_rollout_correction(
     # deferred checks on global counts (after collective 2): every rank of the batch group raises together
     own = checks is None
     checks = DeferredChecks(read=config.on_nonfinite == "error") if own else checks
-    checks.add(totals.tokens.malformed, BAD_INPUT_SUMMARY,
+    checks.add(totals.value(totals.tokens.malformed), BAD_INPUT_SUMMARY,
                lambda: describe_bad_input(loss_mask, cu_seqlens, train.numel()))
     if config.on_nonfinite == "error":
-        checks.add(totals.tokens.nonfinite, NONFINITE_SUMMARY,
+        checks.add(totals.value(totals.tokens.nonfinite), NONFINITE_SUMMARY,
                    lambda: describe_nonfinite(batch, tokens, decisions.nonfinite))
     if own:
         checks.raise_if_any()
     weights, norm = batch_normalize(kept, totals, config)                       # 5. batch normalization
-    values = finish_metrics(totals, config, norm)                               # 5. metrics
-    metrics = torch.stack(list(values.values())).unbind()  # one storage: a caller reads them in one copy
+    names, values = finish_metrics(totals, config, norm)                        # 5. metrics
 
     sequences = {
         "valid_tokens": seqs.sums.valid_tokens,
@@ -123,6 +122,6 @@ def compute_rollout_correction(
     return CorrectionResult(
         is_weights=None if weights is None else weights.detach(),
         keep_mask=kept.keep_f,
-        metrics=dict(zip(values, metrics)),
+        metrics=dict(zip(names, values.unbind())),  # views of one vector: a caller reads them in one copy
         sequences=sequences,
     )

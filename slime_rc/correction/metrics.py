@@ -13,11 +13,12 @@ Conventions (all metrics are global over the reducer's batch group):
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from slime_rc.config.schema import RolloutCorrectionConfig
+from slime_rc.correction.packed import upload
 from slime_rc.correction.quantiles import QUANTILES, histogram, quantiles_from_histogram
 from slime_rc.correction.records import (BatchTotals, CriterionTotals, Extremes, Number, PackedBatch, SequenceDecisions,
                                          SequenceExtremes, SequenceStats, SequenceTotals, SequenceWeightTotals,
@@ -129,7 +130,7 @@ def batch_totals(batch: PackedBatch, tokens: TokenStats, seqs: SequenceStats, de
         maxima = torch.full((len(columns),), -math.inf, dtype=torch.float64, device=batch.device).unbind()
     extremes = Extremes(token_raw_max=raw_max, token_raw_neg_min=raw_neg_min,
                         sequences=with_leaves(extreme_columns, maxima))
-    return _reduce(token, hist, terms, extremes, reducer, batch)
+    return _reduce(token, hist, terms, extremes, reducer, batch, config)
 
 
 def _sum_columns(columns: List[torch.Tensor], batch: PackedBatch) -> List[torch.Tensor]:
@@ -231,12 +232,18 @@ def _pack(values: List[torch.Tensor], device) -> torch.Tensor:
     position by position, so the order is the same on every rank)."""
     if not values:
         return torch.zeros(0, dtype=torch.float64, device=device)
-    return torch.stack([v.to(torch.float64) for v in values])
+    return torch.stack(values).to(torch.float64)  # stack promotes (bool, int64, float32 -> the widest) in one op
+
+
+def _positions(record, start: int = 0):
+    """A copy of ``record`` whose leaves are their positions ``start, start + 1, ...`` in the reduced vector."""
+    return with_leaves(record, range(start, start + len(leaves(record))))
 
 
 def _reduce(token: TokenTotals, hist: Optional[torch.Tensor], terms: SequenceTotals, extremes: Extremes,
-            reducer: LocalReducer, batch: PackedBatch) -> BatchTotals:
-    """Collectives 2 and 3: this rank's totals -> the batch's (records of 0-d float64 tensors, on the device)."""
+            reducer: LocalReducer, batch: PackedBatch, config: RolloutCorrectionConfig) -> BatchTotals:
+    """Collectives 2 and 3: this rank's totals -> the batch's, as two float64 vectors on the device and records of
+    the positions in them (no per-value tensor is made: the metrics read the vectors with index arithmetic)."""
     dev = batch.device
     head = _pack(leaves(token), dev)
     columns = leaves(terms)
@@ -245,97 +252,178 @@ def _reduce(token: TokenTotals, hist: Optional[torch.Tensor], terms: SequenceTot
         seq_sums = torch.stack(columns, 1).sum(0, dtype=torch.float64)
     else:
         seq_sums = torch.zeros(len(columns), dtype=torch.float64, device=dev)
-    parts = [head] + ([hist] if hist is not None else []) + [seq_sums]
+    parts = [head, seq_sums] + ([hist] if hist is not None else [])  # the histogram last: sums[:k] are the scalars
     sums = reducer.sum_totals(torch.cat(parts))  # collective 2
-    chunks = sums.split([p.numel() for p in parts])
-    token = with_leaves(token, chunks[0].unbind())
-    terms = with_leaves(terms, chunks[-1].unbind())
-    extremes = with_leaves(extremes, reducer.max_totals(_pack(leaves(extremes), dev)).unbind())  # collective 3
-    return BatchTotals(tokens=token, seqs=terms, extremes=extremes, histogram=chunks[1] if hist is not None else None)
+    maxes = reducer.max_totals(_pack(leaves(extremes), dev))  # collective 3
+    k = head.numel() + seq_sums.numel()
+    positions = _POSITIONS.get(config)  # which leaves exist depends on the config only
+    if positions is None:
+        if len(_POSITIONS) >= 256:
+            _POSITIONS.clear()
+        positions = _POSITIONS[config] = (_positions(token), _positions(terms, head.numel()), _positions(extremes))
+    return BatchTotals(*positions, sums=sums[:k], maxes=maxes, histogram=sums[k:] if hist is not None else None)
+
+
+_POSITIONS: Dict[RolloutCorrectionConfig, tuple] = {}
+
+
+class _Linear:
+    """A linear combination of reduced totals (position -> coefficient), to build the metric plan with."""
+
+    def __init__(self, terms: Dict[int, float]):
+        self.terms = terms
+
+    @classmethod
+    def of(cls, position: Optional[int]) -> "_Linear":
+        return cls({} if position is None else {position: 1.0})
+
+    def __add__(self, other: "_Linear") -> "_Linear":
+        out = dict(self.terms)
+        for k, v in other.terms.items():
+            out[k] = out.get(k, 0.0) + v
+        return _Linear(out)
+
+    def __neg__(self) -> "_Linear":
+        return _Linear({k: -v for k, v in self.terms.items()})
+
+    def __sub__(self, other: "_Linear") -> "_Linear":
+        return self + (-other)
+
+
+class _MetricPlan:
+    """What :func:`finish_metrics` computes for one config, as index tensors and one ``[2M, K]`` matrix on the
+    device: ``M`` quotients ``num / den`` (0 where ``den = 0``; plus an offset, -1 for chi^2) whose numerators
+    and denominators are linear in the reduced totals, extremes (0 when not finite), and the few nonlinear IS
+    values.  Built once per config and device (cached), so a call runs a fixed, small number of kernels."""
+
+    def __init__(self, t: BatchTotals, config: RolloutCorrectionConfig, device):
+        P = _Linear.of
+        tok, seq, ext = t.tokens, t.seqs, t.extremes
+        tokens, seqs, loss_tokens, all_seqs = P(tok.valid), P(seq.valid), P(tok.loss), P(seq.loss)
+        ratios = {  # name -> (numerator, denominator, offset)
+            "training_log_ppl": (P(seq.train_log_ppl), seqs, 0.0),
+            "training_ppl": (P(seq.train_ppl), seqs, 0.0),
+            "rollout_log_ppl": (P(seq.rollout_log_ppl), seqs, 0.0),
+            "rollout_ppl": (P(seq.rollout_ppl), seqs, 0.0),
+            "log_ppl_diff": (P(seq.log_ppl_diff), seqs, 0.0),
+            "log_ppl_abs_diff": (P(seq.log_ppl_abs_diff), seqs, 0.0),
+            "ppl_ratio": (P(seq.ppl_ratio), seqs, 0.0),
+            "kl": (-P(tok.log_ratio_sum), tokens, 0.0),
+            # sums of r over valid tokens: the invalid ones held r = 1 exactly
+            "k3_kl": (P(tok.ratio_sum_all) - P(tok.invalid) - tokens - P(tok.clamped_log_ratio_sum), tokens, 0.0),
+            "chi2_token": (P(tok.ratio_sq_sum_all) - P(tok.invalid), tokens, -1.0),
+            "chi2_seq": (P(seq.seq_ratio_sq), seqs, -1.0),
+            "train_rollout_logprob_abs_diff": (P(tok.abs_log_ratio_sum), tokens, 0.0),
+            "rejected_token_fraction": (loss_tokens - P(tok.kept), loss_tokens, 0.0),
+            "rejected_seq_fraction": (P(seq.rejected), all_seqs, 0.0),
+        }
+        extremes = {  # name -> (position in the maxima, sign)
+            "log_ppl_diff_max": (ext.sequences.log_ppl_diff_max, 1.0),
+            "log_ppl_diff_min": (ext.sequences.log_ppl_diff_neg_min, -1.0),
+        }
+        if config.on_nonfinite == "reject":
+            ratios["nonfinite_token_fraction"] = (P(tok.nonfinite), loss_tokens, 0.0)
+            ratios["nonfinite_seq_fraction"] = (P(seq.nonfinite), all_seqs, 0.0)
+        self.is_enabled = config.is_enabled
+        if config.is_enabled:
+            w, sw = tok.weights, seq.weights
+            ratios["rollout_is_mean"] = (P(w.kept_sum), P(tok.kept), 0.0)
+            ratios["_mean_sq"] = (P(w.kept_sq_sum), P(tok.kept), 0.0)
+            ratios["rollout_is_ratio_fraction_high"] = (P(w.raw_above), tokens, 0.0)
+            ratios["rollout_is_ratio_fraction_low"] = (P(w.raw_below), tokens, 0.0)
+            ratios["rollout_is_seq_mean"] = (P(sw.weight), seqs, 0.0)
+            ratios["_seq_mean_sq"] = (P(sw.weight_sq), seqs, 0.0)
+            ratios["rollout_is_seq_fraction_high"] = (P(sw.above), seqs, 0.0)
+            ratios["rollout_is_seq_fraction_low"] = (P(sw.below), seqs, 0.0)
+            extremes["_log_min"] = (ext.raw_neg_min, -1.0)
+            extremes["_log_max"] = (ext.raw_max, 1.0)
+            extremes["rollout_is_seq_min"] = (ext.sequences.weight_neg_min, -1.0)
+            extremes["rollout_is_seq_max"] = (ext.sequences.weight_max, 1.0)
+            extremes["rollout_is_seq_max_deviation"] = (ext.sequences.weight_max_dev, 1.0)
+            if config.is_mode == "mask":
+                is_mask_tokens = tok.is_mask if tok.is_mask is not None else seq.is_mask_tokens
+                ratios["rollout_is_masked_fraction"] = (P(is_mask_tokens), tokens, 0.0)
+                ratios["rollout_is_seq_masked_fraction"] = (P(seq.is_mask_seqs), all_seqs, 0.0)
+        if config.rs:
+            ratios["rollout_rs_masked_fraction"] = (P(seq.rs_tokens), tokens, 0.0)
+            ratios["rollout_rs_seq_masked_fraction"] = (P(seq.rs_seqs), all_seqs, 0.0)
+            for c in config.rs:
+                name = f"rollout_rs_{c.option}"
+                count = tok.rs_criteria.get(c.option)
+                count = count if count is not None else seq.rs_criteria[c.option].tokens
+                ratios[name + "_masked_fraction"] = (P(count), tokens, 0.0)
+                ratios[name + "_seq_masked_fraction"] = (P(seq.rs_criteria[c.option].seqs), all_seqs, 0.0)
+        if config.veto_threshold is not None:
+            ratios["rollout_is_veto_fraction"] = (P(seq.veto), all_seqs, 0.0)
+            ratios["rollout_is_catastrophic_token_fraction"] = (P(tok.veto), tokens, 0.0)
+
+        k, m = t.sums.numel(), len(ratios)
+        matrix = [[0.0] * k for _ in range(2 * m)]
+        for i, (num, den, _) in enumerate(ratios.values()):
+            for row, expr in ((i, num), (m + i, den)):
+                for pos, coef in expr.terms.items():
+                    matrix[row][pos] += coef
+        self.matrix = upload(matrix, torch.float64, device)
+        self.offset = upload([off for _, _, off in ratios.values()], torch.float64, device)
+        self.ext_index = upload([pos for pos, _ in extremes.values()], torch.int64, device)
+        self.ext_sign = upload([sign for _, sign in extremes.values()], torch.float64, device)
+        self.valid = tok.valid
+        # the vector finish_metrics assembles: quotients, extremes, then (IS on) std, seq std, ESS, the ratio
+        # extremes and quantiles, the batch-normalization factor; names in that order ("_..." are internal)
+        names = list(ratios) + list(extremes)
+        if config.is_enabled:
+            self.pairs = upload([[names.index("rollout_is_mean"), names.index("rollout_is_seq_mean")],
+                                 [names.index("_mean_sq"), names.index("_seq_mean_sq")]], torch.int64, device)
+            self.log_extremes = upload([names.index("_log_min"), names.index("_log_max")], torch.int64, device)
+            names += ["rollout_is_std", "rollout_is_seq_std", "rollout_is_eff_sample_size", "rollout_is_min",
+                      "rollout_is_max"] + [f"rollout_is_p{round(q * 100)}" for q in QUANTILES]
+            if config.is_batch_normalize:
+                names.append("rollout_is_batch_norm_factor")
+        position = {name: i for i, name in enumerate(names)}
+        self.names = [name for name in _order(config) if name in position]
+        self.order = upload([position[name] for name in self.names], torch.int64, device)
+        self.n_ratios = m
+
+
+_PLANS: Dict[tuple, _MetricPlan] = {}
+
+
+def _plan(t: BatchTotals, config: RolloutCorrectionConfig) -> _MetricPlan:
+    """The cached plan of ``config`` on this device (positions depend on the config only)."""
+    key = (config, t.sums.device, t.sums.numel(), t.maxes.numel())
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= 256:
+            _PLANS.clear()
+        plan = _PLANS[key] = _MetricPlan(t, config, t.sums.device)
+    return plan
 
 
 def finish_metrics(t: BatchTotals, config: RolloutCorrectionConfig,
-                   norm: Optional[torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """Metric values (0-d float64 tensors on the device, names in :data:`METRICS`) from the reduced batch totals;
-    ``norm``: the batch normalization factor (None when off).  The quotients are computed as one vector (``x / d``,
-    0 where ``d = 0``) and the extremes' "0 if none" as another: a fixed, small number of ops whatever the config."""
-    tok, seq, ext = t.tokens, t.seqs, t.extremes
-    tokens, seqs, loss_tokens, all_seqs = tok.valid, seq.valid, tok.loss, seq.loss
-    ratios = {  # name -> (numerator, denominator)
-        "training_log_ppl": (seq.train_log_ppl, seqs),
-        "training_ppl": (seq.train_ppl, seqs),
-        "rollout_log_ppl": (seq.rollout_log_ppl, seqs),
-        "rollout_ppl": (seq.rollout_ppl, seqs),
-        "log_ppl_diff": (seq.log_ppl_diff, seqs),
-        "log_ppl_abs_diff": (seq.log_ppl_abs_diff, seqs),
-        "ppl_ratio": (seq.ppl_ratio, seqs),
-        "kl": (-tok.log_ratio_sum, tokens),
-        "k3_kl": (tok.ratio_sum - tokens - tok.clamped_log_ratio_sum, tokens),
-        "chi2_token": (tok.ratio_sq_sum, tokens),  # minus 1 below
-        "chi2_seq": (seq.seq_ratio_sq, seqs),  # minus 1 below
-        "train_rollout_logprob_abs_diff": (tok.abs_log_ratio_sum, tokens),
-        "rejected_token_fraction": (loss_tokens - tok.kept, loss_tokens),
-        "rejected_seq_fraction": (seq.rejected, all_seqs),
-    }
-    extremes = {  # name -> value, 0 when not finite (no valid sequence)
-        "log_ppl_diff_max": ext.sequences.log_ppl_diff_max,
-        "log_ppl_diff_min": -ext.sequences.log_ppl_diff_neg_min,
-    }
-    if config.on_nonfinite == "reject":
-        ratios["nonfinite_token_fraction"] = (tok.nonfinite, loss_tokens)
-        ratios["nonfinite_seq_fraction"] = (seq.nonfinite, all_seqs)
-    if config.is_enabled:
-        w, sw = tok.weights, seq.weights
-        ratios["rollout_is_mean"] = (w.kept_sum, tok.kept)
-        ratios["rollout_is_mean_sq"] = (w.kept_sq_sum, tok.kept)  # for std and ESS, not reported
-        ratios["rollout_is_ratio_fraction_high"] = (w.raw_above, tokens)
-        ratios["rollout_is_ratio_fraction_low"] = (w.raw_below, tokens)
-        ratios["rollout_is_seq_mean"] = (sw.weight, seqs)
-        ratios["rollout_is_seq_mean_sq"] = (sw.weight_sq, seqs)  # for the std, not reported
-        ratios["rollout_is_seq_fraction_high"] = (sw.above, seqs)
-        ratios["rollout_is_seq_fraction_low"] = (sw.below, seqs)
-        extremes["rollout_is_log_min"] = -ext.raw_neg_min
-        extremes["rollout_is_log_max"] = ext.raw_max
-        extremes["rollout_is_seq_min"] = -ext.sequences.weight_neg_min
-        extremes["rollout_is_seq_max"] = ext.sequences.weight_max
-        extremes["rollout_is_seq_max_deviation"] = ext.sequences.weight_max_dev
-        if config.is_mode == "mask":
-            ratios["rollout_is_masked_fraction"] = (t.is_mask_tokens, tokens)
-            ratios["rollout_is_seq_masked_fraction"] = (seq.is_mask_seqs, all_seqs)
-    if config.rs:
-        ratios["rollout_rs_masked_fraction"] = (seq.rs_tokens, tokens)
-        ratios["rollout_rs_seq_masked_fraction"] = (seq.rs_seqs, all_seqs)
-        for c in config.rs:
-            name = f"rollout_rs_{c.option}"
-            ratios[name + "_masked_fraction"] = (t.rs_tokens(c.option), tokens)
-            ratios[name + "_seq_masked_fraction"] = (seq.rs_criteria[c.option].seqs, all_seqs)
-    if config.veto_threshold is not None:
-        ratios["rollout_is_veto_fraction"] = (seq.veto, all_seqs)
-        ratios["rollout_is_catastrophic_token_fraction"] = (tok.veto, tokens)
-
-    num = torch.stack([n for n, _ in ratios.values()])
-    den = torch.stack([d for _, d in ratios.values()])
-    m = dict(zip(ratios, torch.where(den > 0, num / den.clamp(min=1e-300), 0.0).unbind()))
-    ext_values = torch.stack(list(extremes.values()))
-    m.update(zip(extremes, torch.where(ext_values.isfinite(), ext_values, 0.0).unbind()))
-    m["chi2_token"] = torch.where(tokens > 0, m["chi2_token"] - 1.0, 0.0)
-    m["chi2_seq"] = torch.where(seqs > 0, m["chi2_seq"] - 1.0, 0.0)
-    if config.is_enabled:
+                   norm: Optional[torch.Tensor]) -> Tuple[List[str], torch.Tensor]:
+    """``(names, values)``: the metric names (in :data:`METRICS` order) and their values, one float64 vector on the
+    device, from the reduced batch totals; ``norm``: the batch normalization factor (None when off).  A fixed, small
+    number of kernels whatever the config: one matrix-vector product gives every numerator and denominator."""
+    plan = _plan(t, config)
+    m = plan.n_ratios
+    nd = plan.matrix @ t.sums
+    num, den = nd[:m], nd[m:]
+    some = den > 0
+    quotients = torch.where(some, num / torch.where(some, den, 1.0) + plan.offset, 0.0)
+    ext = t.maxes[plan.ext_index] * plan.ext_sign
+    parts = [quotients, torch.where(ext.isfinite(), ext, 0.0)]
+    if plan.is_enabled:
+        flat = torch.cat(parts)
+        mean, mean_sq = flat[plan.pairs]  # [2]: token level, sequence level
+        parts.append((mean_sq - mean * mean).clamp(min=0.0).sqrt())
+        parts.append(torch.where(mean_sq[:1] > 0, mean[:1] * mean[:1] / mean_sq[:1].clamp(min=1e-300), 0.0))
         bound = config.safety_bound
-        mean, mean_sq = m["rollout_is_mean"], m.pop("rollout_is_mean_sq")
-        m["rollout_is_std"] = (mean_sq - mean * mean).clamp(min=0.0).sqrt()
-        m["rollout_is_eff_sample_size"] = torch.where(mean_sq > 0, mean * mean / mean_sq.clamp(min=1e-300), 0.0)
-        any_tokens = tokens > 0
-        log_min_max = torch.stack([m.pop("rollout_is_log_min"), m.pop("rollout_is_log_max")])
         log_q = quantiles_from_histogram(t.histogram, config.quantile_bins_per_octave, bound)
-        ratio_values = torch.where(any_tokens, torch.cat([log_min_max.clamp(-bound, bound), log_q]).exp(), 0.0)
-        m.update(zip(("rollout_is_min", "rollout_is_max") + tuple(f"rollout_is_p{round(q * 100)}" for q in QUANTILES),
-                     ratio_values.unbind()))
-        seq_mean, seq_mean_sq = m["rollout_is_seq_mean"], m.pop("rollout_is_seq_mean_sq")
-        m["rollout_is_seq_std"] = (seq_mean_sq - seq_mean * seq_mean).clamp(min=0.0).sqrt()
+        logs = torch.cat([flat[plan.log_extremes].clamp(-bound, bound), log_q])
+        parts.append(torch.where(t.sums[plan.valid] > 0, logs.exp(), 0.0))
         if norm is not None:
-            m["rollout_is_batch_norm_factor"] = norm.to(torch.float64)
-    return {name: m[name] for name in _order(config) if name in m}
+            parts.append(norm.reshape(1).to(torch.float64))
+    return plan.names, torch.cat(parts)[plan.order]
 
 
 def _order(config: RolloutCorrectionConfig) -> List[str]:

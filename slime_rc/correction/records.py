@@ -26,25 +26,28 @@ is the layout of the collective's vector**, so a new field goes where its value 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
 # A field of a totals record: before the reduction a 0-d tensor (TokenTotals, Extremes) or a ``[B]`` per-sequence
-# term (SequenceTotals, SequenceExtremes); after it a 0-d float64 tensor (never read on the host).
+# term (SequenceTotals, SequenceExtremes); after it its position (an int) in the reduced vector (BatchTotals).
 Number = Union[torch.Tensor, int, float]
 
 
 # ---- flattening records into the reducer's vectors ---------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
-def _field_names(cls: type) -> Tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(cls))  # cached: dataclasses.fields is slow on the hot path
+_FIELDS: Dict[type, Optional[Tuple[str, ...]]] = {}
 
 
-def _is_record(x: Any) -> bool:
-    return hasattr(type(x), "__dataclass_fields__")
+def _fields_of(cls: type) -> Optional[Tuple[str, ...]]:
+    """A record type's field names (None for anything else), cached: the walks below run on the hot path."""
+    try:
+        return _FIELDS[cls]
+    except KeyError:
+        names = tuple(f.name for f in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else None
+        _FIELDS[cls] = names
+        return names
 
 
 def leaves(record: Any) -> List[Any]:
@@ -52,14 +55,16 @@ def leaves(record: Any) -> List[Any]:
     out: List[Any] = []
 
     def walk(x):
-        if x is None:
-            return
-        if _is_record(x):
-            for name in _field_names(type(x)):
-                walk(getattr(x, name))
-        elif isinstance(x, dict):
+        names = _fields_of(type(x))
+        if names is not None:
+            d = x.__dict__
+            for name in names:
+                if d[name] is not None:
+                    walk(d[name])
+        elif type(x) is dict:
             for v in x.values():
-                walk(v)
+                if v is not None:
+                    walk(v)
         else:
             out.append(x)
 
@@ -72,12 +77,14 @@ def with_leaves(record: Any, values: Iterable[Any]) -> Any:
     it = iter(values)
 
     def build(x):
-        if x is None:
-            return None
-        if _is_record(x):
-            return type(x)(**{name: build(getattr(x, name)) for name in _field_names(type(x))})
-        if isinstance(x, dict):
-            return {k: build(v) for k, v in x.items()}
+        names = _fields_of(type(x))
+        if names is not None:
+            d = x.__dict__
+            new = object.__new__(type(x))  # the fields are set directly: no __init__ per record on the hot path
+            new.__dict__.update({name: None if d[name] is None else build(d[name]) for name in names})
+            return new
+        if type(x) is dict:
+            return {k: None if v is None else build(v) for k, v in x.items()}
         return next(it)
 
     out = build(record)
@@ -405,23 +412,22 @@ class Extremes:
 
 @dataclass
 class BatchTotals:
-    """Everything the metrics and batch normalization need, global over the batch group (0-d float64 tensors).
+    """Everything the metrics and batch normalization need, global over the batch group, on the device.
 
-    ``histogram``: ``[num_bins]`` float64 counts of the raw log-ratio (``slime_rc.correction.quantiles``), IS on
-    only.
+    ``sums``: ``[K]`` float64, the reduced :class:`TokenTotals` then :class:`SequenceTotals` (collective 2);
+    ``maxes``: ``[E]`` float64, the reduced :class:`Extremes` (collective 3); ``tokens`` / ``seqs`` / ``extremes``:
+    those records with each leaf replaced by its position (a Python int) in ``sums`` / ``maxes``, so that a value is
+    ``sums[totals.tokens.kept]`` and the metrics read many at once with index arithmetic.  ``histogram``:
+    ``[num_bins]`` float64 counts of the raw log-ratio (``slime_rc.correction.quantiles``), IS on only.
     """
 
     tokens: TokenTotals
     seqs: SequenceTotals
     extremes: Extremes
+    sums: torch.Tensor
+    maxes: torch.Tensor
     histogram: Optional[torch.Tensor]
 
-    @property
-    def is_mask_tokens(self) -> Number:
-        """Tokens rejected by IS mask mode, at whichever level it ran."""
-        return self.tokens.is_mask if self.tokens.is_mask is not None else self.seqs.is_mask_tokens
-
-    def rs_tokens(self, option: str) -> Number:
-        """Tokens rejected by RS criterion ``option`` (token-level count, or tokens of the sequences it dropped)."""
-        count = self.tokens.rs_criteria.get(option)
-        return count if count is not None else self.seqs.rs_criteria[option].tokens
+    def value(self, position: int) -> torch.Tensor:
+        """One reduced total (0-d float64) by its position in ``sums``."""
+        return self.sums[position]

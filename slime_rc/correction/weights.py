@@ -122,10 +122,8 @@ def batch_normalize(kept: TokenWeights, totals: BatchTotals,
     off."""
     if not (config.is_enabled and config.is_batch_normalize):
         return kept.weights, None
-    if config.is_level == "token":
-        denom_w, denom_n = totals.tokens.weights.kept_sum, totals.tokens.kept
-    else:
-        denom_w, denom_n = totals.seqs.weights.kept_sum, totals.seqs.kept
+    where = totals.tokens if config.is_level == "token" else totals.seqs
+    denom_w, denom_n = totals.value(where.weights.kept_sum), totals.value(where.kept)
     mean_w = denom_w / denom_n.clamp(min=1.0)  # counts: 0 kept means a zero numerator too
     # nothing kept (or weights all zero): leave weights as they are rather than divide by zero
     norm = torch.where(mean_w > 0, mean_w, 1.0)

@@ -22,9 +22,11 @@ The layout (slime's ``get_batch`` / ``cp_utils.slice_with_cp`` / ``get_logits_an
 from __future__ import annotations
 
 import math
-from typing import Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
+
+from slime_rc.correction.packed import upload
 
 
 def _check_rank(cp_size: int, cp_rank: int) -> None:
@@ -121,14 +123,54 @@ def zigzag_response_indices(total_length: int, response_length: int, cp_size: in
     _check_rank(cp_size, cp_rank)
     if cp_size == 1:
         return torch.arange(response_length, dtype=torch.int64, device=device)
-    # each chunk is a range of positions, so the held j are (at most) two ranges: host arithmetic, no mask indexing
-    c = zigzag_chunk_size(total_length, cp_size)
-    first = total_length - response_length - 1  # position of response log-prob 0
-    parts = []
-    for chunk in (cp_rank, 2 * cp_size - 1 - cp_rank):
-        lo, hi = max(chunk * c, first), min((chunk + 1) * c, first + response_length)
-        parts.append(torch.arange(lo - first, max(hi, lo) - first, dtype=torch.int64, device=device))
-    return torch.cat(parts)
+    _, runs = response_runs(total_length, response_length, cp_size, cp_rank)
+    # at most two ranges of j (one per chunk): host arithmetic, no mask indexing
+    parts = [torch.arange(j, j + n, dtype=torch.int64, device=device) for _, j, n in runs]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=device)
+
+
+def response_runs(total: int, response: int, cp_size: int, cp_rank: int) -> Tuple[int, List[Tuple[int, int, int]]]:
+    """Where ``cp_rank`` holds a sample's response log-probs, in Python ints (no tensor, no host read):
+    ``(local positions, [(local position, response index j, length), ...])``, at most two runs (one per zigzag
+    chunk), in the rank's local order.  The same layout as :func:`zigzag_token_positions` and
+    :func:`response_positions` (log-prob ``j`` sits at position
+    ``total - response - 1 + j``), as runs of consecutive tokens instead of per-token index tensors."""
+    if not (isinstance(cp_size, int) and cp_size >= 1) or not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_size={cp_size!r}, cp_rank={cp_rank!r}: need an int cp_size >= 1 and 0 <= cp_rank < "
+                         f"cp_size")
+    if cp_size == 1:
+        local, chunks = total, ((0, total, 0),)
+    else:
+        c = zigzag_chunk_size(total, cp_size)
+        second = 2 * cp_size - 1 - cp_rank
+        local, chunks = 2 * c, ((cp_rank * c, (cp_rank + 1) * c, 0), (second * c, (second + 1) * c, c))
+    first = total - response - 1  # the position of log-prob 0
+    runs = []
+    for lo, hi, at in chunks:
+        start, end = max(lo, first), min(hi, first + response)
+        if end > start:
+            runs.append((at + start - lo, start - first, end - start))
+    return local, runs
+
+
+def expand_runs(starts: Sequence[Sequence[int]], lengths: Sequence[int], n: int, device, *, width: int,
+                constant: int = 0) -> torch.Tensor:
+    """``[n, width]`` int64 index tensors for runs of consecutive tokens: the ``i``-th token of run ``r`` holds
+    ``starts[r][c] + i`` in column ``c``, or ``starts[r][c]`` in the last ``constant`` columns (such as the run's
+    sample).  Built on ``device`` from O(runs) Python ints with one upload and no host read (``repeat_interleave``
+    is told its output size)."""
+    k = width
+    stepping = k - constant
+    rows, total = [], 0
+    for row, length in zip(starts, lengths):
+        rows.append([s - total for s in row[:stepping]] + list(row[stepping:]) + [length])
+        total += length
+    if total != n:
+        raise ValueError(f"runs of {total} tokens for {n} tokens")
+    table = upload(rows, torch.int64, device).reshape(-1, k + 1)
+    base = torch.repeat_interleave(table[:, :k], table[:, k], dim=0, output_size=n)
+    step = base[:, :stepping] + torch.arange(n, dtype=torch.int64, device=base.device)[:, None]
+    return torch.cat([step, base[:, stepping:]], 1) if constant else step
 
 
 def zigzag_slice(values: torch.Tensor, total_length: int, response_length: int, cp_size: int,

@@ -51,7 +51,7 @@ from slime_rc.correction.engine import compute_rollout_correction
 from slime_rc.correction.packed import segment_sum, upload
 from slime_rc.correction.reducer import megatron_context_parallel
 from slime_rc.losses import LossNormalizer, compute_policy_loss, loss_normalizer
-from slime_rc.megatron.cp_layout import zigzag_chunk_size
+from slime_rc.megatron.cp_layout import expand_runs, response_runs
 from slime_rc.megatron.logprobs import vocab_parallel_log_probs
 
 PATH = "slime_rc.slime.policy_loss_function"
@@ -120,50 +120,6 @@ def _check_args(args: Any, config: RolloutCorrectionConfig) -> Tuple[bool, float
 
 
 # ---- slime's batch on this rank ----------------------------------------------------------------------------------
-def response_runs(total: int, response: int, cp_size: int, cp_rank: int) -> Tuple[int, List[Tuple[int, int, int]]]:
-    """Where ``cp_rank`` holds a sample's response log-probs, in Python ints (no tensor, no host read):
-    ``(local positions, [(local position, response index j, length), ...])``, at most two runs (one per zigzag
-    chunk), in the rank's local order.  The same layout as :func:`~slime_rc.megatron.cp_layout.zigzag_token_positions`
-    and :func:`~slime_rc.megatron.cp_layout.response_positions` (log-prob ``j`` sits at position
-    ``total - response - 1 + j``), as runs of consecutive tokens instead of per-token index tensors."""
-    if not (isinstance(cp_size, int) and cp_size >= 1) or not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_size={cp_size!r}, cp_rank={cp_rank!r}: need an int cp_size >= 1 and 0 <= cp_rank < "
-                         f"cp_size")
-    if cp_size == 1:
-        local, chunks = total, ((0, total, 0),)
-    else:
-        c = zigzag_chunk_size(total, cp_size)
-        second = 2 * cp_size - 1 - cp_rank
-        local, chunks = 2 * c, ((cp_rank * c, (cp_rank + 1) * c, 0), (second * c, (second + 1) * c, c))
-    first = total - response - 1  # the position of log-prob 0
-    runs = []
-    for lo, hi, at in chunks:
-        start, end = max(lo, first), min(hi, first + response)
-        if end > start:
-            runs.append((at + start - lo, start - first, end - start))
-    return local, runs
-
-
-def expand_runs(starts: Sequence[Sequence[int]], lengths: Sequence[int], n: int, device, *, width: int,
-                constant: int = 0) -> torch.Tensor:
-    """``[n, width]`` int64 index tensors for runs of consecutive tokens: the ``i``-th token of run ``r`` holds
-    ``starts[r][c] + i`` in column ``c``, or ``starts[r][c]`` in the last ``constant`` columns (such as the run's
-    sample).  Built on ``device`` from O(runs) Python ints with one upload and no host read (``repeat_interleave``
-    is told its output size)."""
-    k = width
-    stepping = k - constant
-    rows, total = [], 0
-    for row, length in zip(starts, lengths):
-        rows.append([s - total for s in row[:stepping]] + list(row[stepping:]) + [length])
-        total += length
-    if total != n:
-        raise ValueError(f"runs of {total} tokens for {n} tokens")
-    table = upload(rows, torch.int64, device).reshape(-1, k + 1)
-    base = torch.repeat_interleave(table[:, :k], table[:, k], dim=0, output_size=n)
-    step = base[:, :stepping] + torch.arange(n, dtype=torch.int64, device=base.device)[:, None]
-    return torch.cat([step, base[:, stepping:]], 1) if constant else step
-
-
 class _Layout:
     """This rank's response tokens of each sample: logit rows, target tokens, original masks, all gathered with index
     tensors built from slime's per-sample Python ints (``total_lengths``, ``response_lengths``) -- no host read, a

@@ -23,7 +23,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from slime_rc.config.schema import RolloutCorrectionConfig
 from slime_rc.megatron.cp_layout import response_positions, zigzag_token_positions
 from slime_rc.slime import policy_loss_function
-from slime_rc.slime.policy_loss import _Layout, response_runs
+from slime_rc.megatron.cp_layout import response_runs
+from slime_rc.slime.policy_loss import _Layout
 from slime_rc.testing.host_reads import HostReads
 from tests.slime.test_policy_loss import PAD, SAMPLES, make_batch, slime_args
 from tests.test_losses import CONFIGS
