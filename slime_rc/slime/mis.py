@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
 from slime_rc.correction.checks import DeferredChecks
-from slime_rc.correction.packed import segment_sum
+from slime_rc.correction.packed import segment_sums, token_sequence_ids
 from slime_rc.correction.reducer import LocalReducer, as_reducer
 from slime_rc.slime.settings import SlimeMisSettings
 
@@ -135,8 +135,10 @@ def _slime_mis(settings: SlimeMisSettings, train: torch.Tensor, rollout: torch.T
     dev = train.device
     n_tokens, n_seqs = train.numel(), cu_seqlens.numel() - 1
     # token -> its sequence, once; each broadcast below is then a gather
-    seq_of_token = torch.searchsorted(cu_seqlens[1:], torch.arange(n_tokens, device=dev), right=True)
+    seq_of_token = token_sequence_ids(cu_seqlens[1:] - cu_seqlens[:-1], n_tokens)
     per_tok = (lambda v: v.index_select(0, seq_of_token))
+    # per-sequence metrics ([B] values that slime reports on every token) are broadcast together at the end
+    metrics: Dict[str, Any] = {}
 
     train, rollout = train.detach().float(), rollout.detach().float()
     m_bool = mask != 0
@@ -170,7 +172,7 @@ def _slime_mis(settings: SlimeMisSettings, train: torch.Tensor, rollout: torch.T
         maxes["w_max"] = torch.where(m_bool, w_tok, -math.inf)
         maxes["w_neg_min"] = torch.where(m_bool, -w_tok, -math.inf)
     zeros = torch.zeros(n_seqs, 0, dtype=torch.float64, device=dev)
-    local_sums = torch.stack([segment_sum(v, cu_seqlens) for v in sums.values()], 1)
+    local_sums = segment_sums(list(sums.values()), cu_seqlens).T  # [B, k]
     local_maxes = torch.stack([_segment_max(v, seq_of_token, n_seqs) for v in maxes.values()], 1) if maxes else zeros
     g_sums, g_maxes = reducer.combine_sequences(local_sums, local_maxes)
     col = dict(zip(sums, g_sums.unbind(1)))
@@ -183,26 +185,25 @@ def _slime_mis(settings: SlimeMisSettings, train: torch.Tensor, rollout: torch.T
     has = n > 0
     n_safe = n.clamp(min=1)
     S = col["lr"]
-    metrics: Dict[str, torch.Tensor] = {}
 
     # ---- slime's add_ppl_metrics: per-sequence values broadcast, per-token values as they are -------------------
     mean_train = col["train"] / n_safe
     mean_rollout = col["rollout"] / n_safe
     diff = mean_rollout - mean_train
-    metrics["training_log_ppl"] = per_tok((-mean_train).float())
-    metrics["training_ppl"] = per_tok(torch.exp((-mean_train).clamp(max=_PPL_EXP_MAX)).float())
-    metrics["rollout_log_ppl"] = per_tok((-mean_rollout).float())
-    metrics["rollout_ppl"] = per_tok(torch.exp((-mean_rollout).clamp(max=_PPL_EXP_MAX)).float())
+    metrics["training_log_ppl"] = _PerSequence((-mean_train).float())
+    metrics["training_ppl"] = _PerSequence(torch.exp((-mean_train).clamp(max=_PPL_EXP_MAX)).float())
+    metrics["rollout_log_ppl"] = _PerSequence((-mean_rollout).float())
+    metrics["rollout_ppl"] = _PerSequence(torch.exp((-mean_rollout).clamp(max=_PPL_EXP_MAX)).float())
     metrics["kl"] = -lr
     metrics["k3_kl"] = rho - lr - 1
-    metrics["log_ppl_diff"] = per_tok(diff.float())
-    metrics["log_ppl_abs_diff"] = per_tok(diff.abs().float())
-    metrics["ppl_ratio"] = per_tok(torch.exp(diff.clamp(-SAFETY_BOUND, SAFETY_BOUND)).float())
-    metrics["chi2_token"] = per_tok((col["rho2"] / n_safe - 1).float())
-    metrics["chi2_seq"] = per_tok((torch.exp(2 * S.clamp(-SAFETY_BOUND, SAFETY_BOUND)) - 1).float())
+    metrics["log_ppl_diff"] = _PerSequence(diff.float())
+    metrics["log_ppl_abs_diff"] = _PerSequence(diff.abs().float())
+    metrics["ppl_ratio"] = _PerSequence(torch.exp(diff.clamp(-SAFETY_BOUND, SAFETY_BOUND)).float())
+    metrics["chi2_token"] = _PerSequence((col["rho2"] / n_safe - 1).float())
+    metrics["chi2_seq"] = _PerSequence((torch.exp(2 * S.clamp(-SAFETY_BOUND, SAFETY_BOUND)) - 1).float())
 
     if not s.corrects:  # metrics only: slime returns the loss masks unchanged and no weights
-        return SlimeMisResult(None, m, torch.ones(n_seqs, dtype=torch.bool, device=dev), _masked(metrics, m))
+        return SlimeMisResult(None, m, torch.ones(n_seqs, dtype=torch.bool, device=dev), _masked(metrics, m, seq_of_token))
 
     # ---- IS weights ---------------------------------------------------------------------------------------------
     keep = m
@@ -248,7 +249,7 @@ def _slime_mis(settings: SlimeMisSettings, train: torch.Tensor, rollout: torch.T
         vetoed = col["veto"] > 0
         seq_keep &= ~vetoed
         metrics["rs_catastrophic_token_fraction"] = catastrophic.float()
-        metrics["rs_catastrophic_seq_fraction"] = per_tok(vetoed.float())
+        metrics["rs_catastrophic_seq_fraction"] = _PerSequence(vetoed.float())
         keep = keep * per_tok((~vetoed).float())
     metrics["is_ratio_mean_after_tis_rs"] = w
 
@@ -276,13 +277,26 @@ def _slime_mis(settings: SlimeMisSettings, train: torch.Tensor, rollout: torch.T
     else:
         w_min = w_max = torch.ones_like(n)
     zero = torch.zeros_like(n)
-    metrics["is_ratio_mean_final"] = per_tok((seq_w_sum / n_safe / scale).float())
-    metrics["is_ratio_min_final"] = per_tok(torch.where(has, w_min / scale, zero).float())
-    metrics["is_ratio_max_final"] = per_tok(torch.where(has, w_max / scale, zero).float())
-    return SlimeMisResult(w.float() if s.use_tis else None, keep, seq_keep, _masked(metrics, m))
+    metrics["is_ratio_mean_final"] = _PerSequence((seq_w_sum / n_safe / scale).float())
+    metrics["is_ratio_min_final"] = _PerSequence(torch.where(has, w_min / scale, zero).float())
+    metrics["is_ratio_max_final"] = _PerSequence(torch.where(has, w_max / scale, zero).float())
+    return SlimeMisResult(w.float() if s.use_tis else None, keep, seq_keep, _masked(metrics, m, seq_of_token))
 
 
-def _masked(metrics: Dict[str, torch.Tensor], m: torch.Tensor) -> Dict[str, torch.Tensor]:
-    """Zero off the loss mask: slime multiplies by the mask, and a value there must not be inf (inf * 0 = NaN)."""
+class _PerSequence:
+    """A ``[B]`` metric that slime reports on every token of its sequence (broadcast by :func:`_masked`)."""
+
+    def __init__(self, value: torch.Tensor):
+        self.value = value
+
+
+def _masked(metrics: Dict[str, Any], m: torch.Tensor, seq_of_token: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """Per-token metrics, zero off the loss mask: slime multiplies by the mask, and a value there must not be inf
+    (inf * 0 = NaN).  The per-sequence ones are broadcast to their tokens in one gather of a ``[k, B]`` matrix."""
     keep = m != 0
-    return {k: torch.where(keep, v, 0.0).detach() for k, v in metrics.items()}
+    names = [k for k, v in metrics.items() if isinstance(v, _PerSequence)]
+    out = {}
+    if names:
+        per_seq = torch.stack([metrics[k].value for k in names]).index_select(1, seq_of_token)
+        out = dict(zip(names, torch.where(keep, per_seq, 0.0).detach().unbind()))
+    return {k: out[k] if k in out else torch.where(keep, v, 0.0).detach() for k, v in metrics.items()}
