@@ -60,7 +60,8 @@ def segment_sums(columns: List[torch.Tensor], cu_seqlens: torch.Tensor) -> torch
         group = [c for c in unique if (c.dtype == torch.bool) == is_count]
         if not group:
             continue
-        m = torch.zeros(len(group), n + 1, dtype=torch.int32 if is_count else torch.float64, device=dev)
+        m = torch.empty(len(group), n + 1, dtype=torch.int32 if is_count else torch.float64, device=dev)
+        m[:, :1].zero_()  # the rest is overwritten: zeroing it all would be one more pass over k x N
         for row, column in zip(m[:, 1:], group):
             row.copy_(column)
         torch.cumsum(m, 1, out=m)
