@@ -135,18 +135,16 @@ def check_packed_inputs(train_log_probs, rollout_log_probs, loss_mask, cu_seqlen
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or cu_seqlens.is_floating_point():
         raise ValueError(f"cu_seqlens must be an integer tensor of shape [B+1], got shape {tuple(cu_seqlens.shape)} "
                          f"dtype {cu_seqlens.dtype}")
-    cu = cu_seqlens.to(device=device, dtype=torch.int64, non_blocking=True)
-    bad = (cu[0] != 0) | (cu[-1] != n)
-    if cu.numel() > 1:
-        bad = bad | (cu[1:] < cu[:-1]).any()
-    bad = bad.double()
+    given = cu_seqlens.to(device=device, dtype=torch.int64, non_blocking=True)
+    # cu made safe to index with: clamped into [0, N], non-decreasing, from 0 to N.  It differs from the given
+    # cu_seqlens exactly when those are malformed, which is the deferred check (no host read here).
+    cu = given.clamp(0, n).cummax(0).values
+    cu[:1].fill_(0), cu[-1:].fill_(n)
+    bad = (cu != given).any() | (given[0] != 0)  # (the second: a single entry is both first and last)
     if loss_mask.dtype != torch.bool:
         if loss_mask.is_floating_point():
-            bad = bad + 2 * ((loss_mask != 0) & (loss_mask != 1)).any()
+            bad = bad | (loss_mask * loss_mask != loss_mask).any()  # m^2 == m only for 0 and 1 (NaN fails too)
         loss_mask = loss_mask != 0
-    # cu made safe to index with (a no-op on well-formed input); the check above reports the malformed one
-    cu = cu.clamp(0, n).cummax(0).values
-    cu[:1].fill_(0), cu[-1:].fill_(n)
     # bf16/fp16 inputs are computed in fp32: exp() of a bf16 log-ratio is too coarse for weights near 1.
     train = train_log_probs.detach().float()
     rollout = rollout_log_probs.detach().float()
