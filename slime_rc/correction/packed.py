@@ -135,6 +135,9 @@ def check_packed_inputs(train_log_probs, rollout_log_probs, loss_mask, cu_seqlen
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or cu_seqlens.is_floating_point():
         raise ValueError(f"cu_seqlens must be an integer tensor of shape [B+1], got shape {tuple(cu_seqlens.shape)} "
                          f"dtype {cu_seqlens.dtype}")
+    if cu_seqlens.numel() == 1 and n:
+        raise ValueError(f"cu_seqlens has 1 entry (no sequence) but the log-probs hold {n} tokens; cu_seqlens must "
+                         f"be [B+1] boundaries from 0 to {n}")
     given = cu_seqlens.to(device=device, dtype=torch.int64, non_blocking=True)
     # cu made safe to index with: clamped into [0, N], non-decreasing, from 0 to N.  It differs from the given
     # cu_seqlens exactly when those are malformed, which is the deferred check (no host read here).
