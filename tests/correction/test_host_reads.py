@@ -133,3 +133,16 @@ def test_runs_on_the_meta_device(name):
     assert result.metrics and all(v.device.type == "meta" and v.dtype == torch.float64 and v.dim() == 0
                                   for v in result.metrics.values())
     assert all(v.device.type == "meta" for v in result.sequences.values())
+
+
+@pytest.mark.parametrize("cu, n, words", [
+    ([5], 5, "1 entry (no sequence)"), ([0], 5, "1 entry (no sequence)"), ([3], 0, "must start at 0"),
+    ([0, 6], 5, "end at the token count 5"), ([1, 5], 5, "must start at 0"), ([0, 4, 3, 5], 5, "non-decreasing"),
+    ([0, 2, 9, 5], 5, "non-decreasing")])
+def test_malformed_cu_seqlens_is_an_error_naming_it(cu, n, words):
+    """The deferred check catches every malformation (the engine computes on a clamped copy meanwhile: no
+    out-of-bounds index, no shape error before the message)."""
+    x = torch.zeros(n)
+    with pytest.raises(ValueError, match="cu_seqlens") as info:
+        compute_rollout_correction(x, x, torch.ones(n), torch.tensor(cu), CONFIGS["token_tis_rs_veto_norm"])
+    assert words in str(info.value)
