@@ -125,3 +125,31 @@ class HostReads(TorchDispatchMode):
             setattr(torch.Tensor, name, original)
         self._patched.clear()
         return super().__exit__(*exc)
+
+
+def innermost_project_frame() -> str:
+    """``file:line`` of the innermost frame of slime-rc's code (``slime_rc``, ``custom_tis``; not the testing
+    helpers) on the current stack, or ``"?"``."""
+    for frame in reversed(traceback.extract_stack()):
+        name = frame.filename.replace("\\", "/")
+        if ("/slime_rc/" in name or "/custom_tis/" in name) and "/testing/" not in name:
+            return f"{name}:{frame.lineno}"
+    return "?"
+
+
+class KernelsFrom(TorchDispatchMode):
+    """Counts the non-view ops launched from the files whose path contains one of ``parts`` (e.g.
+    ``("slime_rc/slime/", "custom_tis/")``): ``ops`` holds ``(op, file:line)``.  A fixed count whatever the number
+    of samples shows that no per-sample loop launches kernels."""
+
+    def __init__(self, parts):
+        super().__init__()
+        self.parts = tuple(parts)
+        self.ops: List[Tuple[str, str]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            where = innermost_project_frame()
+            if any(part in where for part in self.parts):
+                self.ops.append((str(func), where))
+        return func(*args, **(kwargs or {}))

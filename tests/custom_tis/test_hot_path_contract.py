@@ -5,14 +5,12 @@ the zigzag positions and full-length masks as megatron's layout has them."""
 
 from __future__ import annotations
 
-import traceback
 import warnings
 from dataclasses import replace
 from types import SimpleNamespace as NS
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from custom_tis._contract import Batch
 from custom_tis.icepop import compute_icepop_weights, compute_icepop_weights_with_cp
@@ -22,7 +20,7 @@ from slime_rc.config.schema import RolloutCorrectionConfig
 from slime_rc.correction.checks import DeferredChecks
 from slime_rc.megatron.cp_layout import zigzag_response_indices
 from slime_rc.slime.mis import NonFiniteLogProbs
-from slime_rc.testing.host_reads import HostReads
+from slime_rc.testing.host_reads import HostReads, KernelsFrom
 from tests.slime_reference import make_samples, rank_inputs
 
 OWN = ("slime_rc/slime/", "custom_tis/")
@@ -111,22 +109,6 @@ def test_cp_positions_and_full_length_masks_are_megatrons_layout(cp):
         assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(masks, expected))
 
 
-class _OwnOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not func.is_view:
-            for frame in reversed(traceback.extract_stack()):
-                name = frame.filename.replace("\\", "/")
-                if "/slime_rc/" in name or "/custom_tis/" in name:
-                    if any(o in name for o in OWN):
-                        self.ops.append(str(func))
-                    break
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("keys", [dict(use_tis=True, tis_mode="mask", use_rs=True, rs_veto_threshold=1e-4),
                                   dict(rollout_correction_config=ENGINE["engine_seq_tis_rs"])],
                          ids=["slime", "engine"])
@@ -137,7 +119,7 @@ def test_kernels_do_not_grow_with_the_number_of_samples(keys):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             calls["mis_cp"]()
-            with _OwnOps() as ops:
+            with KernelsFrom(OWN) as ops:
                 calls["mis_cp"]()
         counts.append(len(ops.ops))
     assert counts[0] == counts[1] and counts[0] > 0, counts

@@ -18,14 +18,12 @@ from dataclasses import replace
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from slime_rc.config.schema import RolloutCorrectionConfig
-from slime_rc.megatron.cp_layout import response_positions, zigzag_token_positions
+from slime_rc.megatron.cp_layout import response_positions, response_runs, zigzag_token_positions
 from slime_rc.slime import policy_loss_function
-from slime_rc.megatron.cp_layout import response_runs
 from slime_rc.slime.policy_loss import _Layout
-from slime_rc.testing.host_reads import HostReads
+from slime_rc.testing.host_reads import HostReads, KernelsFrom
 from tests.slime.test_policy_loss import PAD, SAMPLES, make_batch, slime_args
 from tests.test_losses import CONFIGS
 
@@ -54,15 +52,6 @@ def _args(mode: str, per_token: bool, on_nonfinite: str = "error"):
         return slime_args(**kw)
     config = replace(config, loss_agg="token_mean" if per_token else "sample_mean", on_nonfinite=on_nonfinite)
     return slime_args(rollout_correction_config=config, use_rollout_logprobs=config.mode == "bypass", **kw)
-
-
-def _innermost_project_frame() -> str:
-    """The innermost frame of slime-rc's code (not torch, not this test, not the counters) on the current stack."""
-    for frame in reversed(traceback.extract_stack()):
-        name = frame.filename.replace("\\", "/")
-        if ("/slime_rc/" in name or "/custom_tis/" in name) and "/testing/" not in name:
-            return f"{name}:{frame.lineno}"
-    return "?"
 
 
 def own_events(reads: HostReads):
@@ -192,21 +181,6 @@ def test_layout_equals_the_per_sample_construction_under_cp(cp_size):
         assert layout.full_mask_sums.tolist() == sums and layout.full_mask_sums.dtype == torch.float64
 
 
-class _OwnOps(TorchDispatchMode):
-    """Counts the (non-view) ops launched from this surface's files."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not func.is_view:
-            where = _innermost_project_frame()
-            if any(o in where for o in OWN):
-                self.ops.append((str(func), where))
-        return func(*args, **(kwargs or {}))
-
-
 def _doubled():
     """make_batch(3) followed by make_batch(4): twice the samples."""
     (a, la), (b, lb) = make_batch(3), make_batch(4)
@@ -223,7 +197,7 @@ def test_kernels_do_not_grow_with_the_number_of_samples(mode):
     for batch, logits in (one, two):
         args = _args(mode, False)
         policy_loss_function(args, batch, logits, None)
-        with _OwnOps() as ops:
+        with KernelsFrom(OWN) as ops:
             policy_loss_function(args, batch, logits, None)
         counts.append(ops.ops)
     assert len(counts[0]) == len(counts[1]), (len(counts[0]), len(counts[1]))
