@@ -14,6 +14,8 @@
 5. batch normalization by the global mean weight (``weights.py``) and the metrics (``metrics.py``).
 
 Only ``reducer.py`` talks to other ranks; no Python loop runs over sequences and no tensor of size N crosses ranks.
+Nothing is read on the host while it computes: the value checks wait in one ``DeferredChecks`` (``checks.py``), read
+once at the end with ``on_nonfinite='error'`` and never with ``'reject'``.
 """
 
 from __future__ import annotations

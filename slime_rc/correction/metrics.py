@@ -20,7 +20,7 @@ import torch
 from slime_rc.config.schema import RolloutCorrectionConfig
 from slime_rc.correction.packed import upload
 from slime_rc.correction.quantiles import QUANTILES, histogram, quantiles_from_histogram
-from slime_rc.correction.records import (BatchTotals, CriterionTotals, Extremes, Number, PackedBatch, SequenceDecisions,
+from slime_rc.correction.records import (BatchTotals, CriterionTotals, Extremes, PackedBatch, SequenceDecisions,
                                          SequenceExtremes, SequenceStats, SequenceTotals, SequenceWeightTotals,
                                          TokenStats, TokenTotals, TokenWeights, TokenWeightTotals, leaves, with_leaves)
 from slime_rc.correction.reducer import LocalReducer

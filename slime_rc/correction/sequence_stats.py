@@ -1,7 +1,7 @@
 """Stage 2 of the engine: per-sequence statistics, combined over the sequence group (collective 1).
 
-Each rank sums its own tokens of each sequence (``segment_sum``: ``[N] -> [B]``, float64) into the columns of
-:class:`SequenceSums`, and takes the per-sequence max of the k2/k3 terms that a ``max`` criterion needs; the
+Each rank sums its own tokens of each sequence (``segment_sums``: every column at once, ``k x [N] -> [k, B]``,
+float64) into the columns of :class:`SequenceSums`, and takes the per-sequence max of the k2/k3 terms that a ``max`` criterion needs; the
 reducer's ``combine_sequences`` adds the sums and maxes the maxima over the ranks holding pieces of the same
 sequences (the context-parallel group).  Every rank of the group then holds bit-identical ``[B]`` statistics, from
 which the per-sequence means follow: ``T = max(n, 1)``, ``S / T``, mean log pi_train ``(S + sum log pi_rollout) / T``
@@ -9,8 +9,6 @@ and mean log pi_rollout.  Only ``O(B)`` values cross ranks.
 """
 
 from __future__ import annotations
-
-from typing import Optional
 
 import torch
 
