@@ -72,7 +72,6 @@ def _token_coefficients(normalizer: LossNormalizer, config: RolloutCorrectionCon
     return broadcast_to_tokens(per_seq, cu_seqlens[1:] - cu_seqlens[:-1], n_tokens).float()
 
 
-# Until the engine takes ``checks=`` (issue 14, being added in slime_rc.correction.engine): pass it only if accepted.
 def _first_bad(values: torch.Tensor, where: torch.Tensor, cu_seqlens: torch.Tensor) -> str:
     """Slow path (raising anyway): ``sample i, position p (token t) = value`` of the first non-finite kept value."""
     bad = torch.nonzero(where & ~torch.isfinite(values.detach()))

@@ -30,8 +30,9 @@ from slime_rc.config.schema import RolloutCorrectionConfig
 from slime_rc.correction.checks import DeferredChecks
 from slime_rc.correction.engine import CorrectionResult, compute_rollout_correction
 from slime_rc.correction.packed import segment_sum, upload
-from slime_rc.losses import LossNormalizer, compute_policy_loss, loss_normalizer
 from slime_rc.correction.reducer import LocalReducer, megatron_reducer, megatron_step_group, sum_named_values
+from slime_rc.losses import LossNormalizer, compute_policy_loss, loss_normalizer
+from slime_rc.megatron.cp_layout import expand_runs, response_positions, response_runs, zigzag_response_indices
 from slime_rc.megatron.logprobs import vocab_parallel_log_probs
 
 # What a micro-batch (this rank's tokens) must hold, all [N] aligned with the target tokens.
@@ -181,24 +182,12 @@ def _flat(value, what: str, device=None) -> torch.Tensor:
 def _held_ranges(lengths: Sequence[int], responses: Sequence[int], cp_size: int, cp_rank: int):
     """Host arithmetic (no tensor): where this rank's response log-probs sit in its packed stream.  Returns the local
     length of each sequence and, per held run of consecutive response positions, ``(sample, row, j, count)``: rows
-    ``row .. row + count - 1`` of the local stream hold response log-probs ``j .. j + count - 1`` (slime's zigzag
-    layout, :mod:`slime_rc.megatron.cp_layout`: a rank's chunks are contiguous position ranges)."""
-    from slime_rc.megatron.cp_layout import zigzag_chunk_size
+    ``row .. row + count - 1`` of the local stream hold response log-probs ``j .. j + count - 1``
+    (:func:`slime_rc.megatron.cp_layout.response_runs`, one sample at a time)."""
     local, runs, row0 = [], [], 0
     for i, (total, resp) in enumerate(zip(lengths, responses)):
-        if cp_size == 1:
-            chunks = [(0, total, 0)]  # (first position, end position, first local row)
-            n = total
-        else:
-            c = zigzag_chunk_size(total, cp_size)
-            second = 2 * cp_size - 1 - cp_rank
-            chunks = [(cp_rank * c, (cp_rank + 1) * c, 0), (second * c, (second + 1) * c, c)]
-            n = 2 * c
-        first = total - resp - 1  # position of response log-prob 0
-        for lo, hi, off in chunks:
-            a, b = max(lo, first), min(hi, first + resp)
-            if a < b:
-                runs.append((i, row0 + off + a - lo, a - first, b - a))
+        n, held = response_runs(total, resp, cp_size, cp_rank)
+        runs += [(i, row0 + at, j, count) for at, j, count in held]
         local.append(n)
         row0 += n
     return local, runs
@@ -237,8 +226,6 @@ def tis_function_correction(tis_function: Callable, args, micro_batch: Dict[str,
     arithmetic on ``sample_lengths`` / ``sample_response_lengths``; that ``position_ids`` and ``cu_seqlens`` agree
     with it is a deferred check in ``checks`` (the caller's, read once per micro-batch; without one this call makes
     its own and reads it at the end)."""
-    from slime_rc.megatron.cp_layout import response_positions, zigzag_response_indices
-
     missing = [k for k in ("position_ids", "sample_lengths", "sample_loss_masks") if k not in micro_batch]
     if missing:
         raise ValueError(f"a custom TIS function needs {', '.join(missing)} in the micro-batch: run "
@@ -280,13 +267,8 @@ def tis_function_correction(tis_function: Callable, args, micro_batch: Dict[str,
     n_local = sum(counts)
 
     # per held token (device, no read): its row in the stream, its response index j and its sample
-    run_meta = upload([[row, j, i] for i, row, j, _ in runs] or [[0, 0, 0]], torch.int64, device)
-    run_len = upload([c for *_, c in runs] or [0], torch.int64, device)
-    which = torch.repeat_interleave(torch.arange(run_len.numel(), device=device), run_len, output_size=n_local)
-    within = torch.arange(n_local, device=device) - (torch.cumsum(run_len, 0) - run_len)[which]
-    idx = run_meta[which, 0] + within
-    jj = run_meta[which, 1] + within
-    sample = run_meta[which, 2]
+    idx, jj, sample = expand_runs([[row, j, i] for i, row, j, _ in runs], [c for *_, c in runs], n_local, device,
+                                  width=3, constant=1).unbind(1)
 
     # the layout the positions say must be the one computed above (checked on the device, read once by the caller)
     first = upload([t - r - 1 for t, r in zip(lengths, responses)], torch.int64, device)
