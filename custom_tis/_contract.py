@@ -32,7 +32,7 @@ import torch
 from slime_rc import LocalReducer, RolloutCorrectionConfig, compute_rollout_correction
 from slime_rc.correction.checks import DeferredChecks
 from slime_rc.correction.engine import CorrectionResult
-from slime_rc.correction.packed import upload
+from slime_rc.correction.packed import token_sequence_ids, upload
 from slime_rc.correction.reducer import megatron_context_parallel
 from slime_rc.megatron.cp_layout import expand_runs, response_runs
 
@@ -57,9 +57,9 @@ class Batch:
     """One call's samples, packed: this rank's tokens of each sample and where they sit in the full responses.
 
     ``train``, ``rollout``: ``[N]`` float32; ``mask``: ``[N]`` float32 0/1 (the original loss mask at this rank's
-    tokens); ``cu_seqlens``: ``[B+1]``; ``lengths``: this rank's token count per sample; ``positions``: ``[N]``
-    int64 index of each token in its sample's response; ``sample_of_token``: ``[N]`` int64; ``full_masks``: the
-    caller's full-length masks.  ``checks`` receives the check that the masks hold only 0 and 1 (deferred: no host
+    tokens); ``cu_seqlens``: ``[B+1]``; ``lengths``: this rank's token count per sample; ``sample_of_token``:
+    ``[N]`` int64; ``full_index`` / ``positions``: ``[N]`` int64 position of each token in the concatenated full
+    masks / in its sample's response (None when this rank holds every response whole: no CP); ``full_masks``: the caller's full-length masks.  ``checks`` receives the check that the masks hold only 0 and 1 (deferred: no host
     read here; without ``checks`` it is read at once).
     """
 
@@ -124,13 +124,20 @@ class Batch:
         device = train_log_probs[0].device if lengths else torch.device("cpu")
         self.device = device
         n_tokens = sum(lengths)
-        index = expand_runs(starts, run_lengths, n_tokens, device, width=3, constant=1)
-        self.full_index, self.positions, self.sample_of_token = index[:, 0], index[:, 1], index[:, 2]
+        # without CP every rank holds each whole response: the packed tokens ARE the full masks' positions, so the
+        # gathers and scatters between the two are the identity (skipped)
+        self.whole = total_lengths is None or cp_size == 1
+        if self.whole:
+            self.full_index = self.positions = None
+            self.sample_of_token = token_sequence_ids(upload(lengths, torch.int64, device), n_tokens)
+        else:
+            index = expand_runs(starts, run_lengths, n_tokens, device, width=3, constant=1)
+            self.full_index, self.positions, self.sample_of_token = index[:, 0], index[:, 1], index[:, 2]
         if lengths:
             self.train = torch.cat([t.reshape(-1) for t in train_log_probs]).to(device, non_blocking=True).float()
             self.rollout = torch.cat([t.reshape(-1) for t in rollout_log_probs]).to(device, non_blocking=True).float()
             self.full_mask = torch.cat([m.reshape(-1) for m in loss_masks]).to(device, non_blocking=True)
-            mask = self.full_mask.index_select(0, self.full_index)
+            mask = self.full_mask if self.whole else self.full_mask.index_select(0, self.full_index)
         else:
             self.train = torch.zeros(0, device=device)
             self.rollout = torch.zeros(0, device=device)
@@ -164,6 +171,10 @@ class Batch:
         if not self.n_samples:
             return []
         dtype = self.full_mask.dtype
+        if self.whole:  # every position is this rank's: the masks are keep
+            full = keep.to(dtype)
+            return [f if f.dtype == m.dtype else f.to(m.dtype)
+                    for f, m in zip(full.split(self.full_lengths), self.full_masks)]
         sample_of_full = torch.repeat_interleave(
             torch.arange(self.n_samples, device=self.device), upload(self.full_lengths, torch.int64, self.device),
             output_size=self.full_mask.numel())
