@@ -25,6 +25,7 @@ per call, read once at the end -- none with the engine's ``on_nonfinite='reject'
 from __future__ import annotations
 
 import math
+from itertools import accumulate
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -148,7 +149,7 @@ class Batch:
         if own:
             checks.raise_if_any()
         self.mask = (mask != 0).float()
-        self.cu_seqlens = upload(_cumulative(lengths), torch.int64, device)
+        self.cu_seqlens = upload(list(accumulate(lengths, initial=0)), torch.int64, device)
 
     def describe(self, j: int) -> str:
         """Sample and response position of packed token ``j`` (the slow path of an error: reads freely)."""
@@ -182,13 +183,6 @@ class Batch:
         full = full.index_copy(0, self.full_index, keep.to(dtype))
         return [f if f.dtype == m.dtype else f.to(m.dtype)
                 for f, m in zip(full.split(self.full_lengths), self.full_masks)]
-
-
-def _cumulative(values: Sequence[int]) -> List[int]:
-    out = [0]
-    for v in values:
-        out.append(out[-1] + v)
-    return out
 
 
 def check_pg_loss(pg_loss: torch.Tensor, batch: Batch) -> None:

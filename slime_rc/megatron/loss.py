@@ -22,6 +22,7 @@ ranks.  So:
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from itertools import accumulate
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -323,12 +324,8 @@ def tis_function_correction(tis_function: Callable, args, micro_batch: Dict[str,
         flat_masks.append(m)
         full_length.append(m.numel() == resp)
     # each held token's entry of its sample's mask: j of a full-length mask, its rank-local index of a local one
-    mask_start = [0]
-    for m in flat_masks[:-1]:
-        mask_start.append(mask_start[-1] + m.numel())
-    local_start = [0]
-    for c in counts[:-1]:
-        local_start.append(local_start[-1] + c)
+    mask_start = list(accumulate([m.numel() for m in flat_masks[:-1]], initial=0))
+    local_start = list(accumulate(counts[:-1], initial=0))
     per_sample = upload([[a, f, l] for a, f, l in zip(mask_start, full_length, local_start)] or [[0, 0, 0]],
                         torch.int64, device)
     at = per_sample[sample, 0] + torch.where(per_sample[sample, 1] != 0, jj,

@@ -36,7 +36,7 @@ from typing import Any, Callable, Dict, Optional
 import torch
 
 from slime_rc.correction.checks import DeferredChecks
-from slime_rc.correction.packed import segment_sums, token_sequence_ids
+from slime_rc.correction.packed import segment_max, segment_sums, token_sequence_ids
 from slime_rc.correction.reducer import LocalReducer, as_reducer
 from slime_rc.slime.settings import SlimeMisSettings
 
@@ -97,13 +97,6 @@ def add_nonfinite_check(checks: DeferredChecks, bad: torch.Tensor, describe_toke
             where = f"sample {first} (its non-finite token is held by another context-parallel rank)"
         raise NonFiniteLogProbs(f"non-finite log-prob on a loss token: {where}. {fix}")
     checks.add(count, f"non-finite log-prob on a loss token. {fix}", describe)
-
-
-def _segment_max(values: torch.Tensor, seq_of_token: torch.Tensor, n_seqs: int) -> torch.Tensor:
-    """Per-sequence maxima ``[N] -> [B]`` float64, ``-inf`` for an empty sequence: one scatter (no host read, unlike
-    ``segment_reduce``, which reads its offsets on a GPU)."""
-    out = torch.full((n_seqs,), -math.inf, dtype=torch.float64, device=values.device)
-    return out.scatter_reduce(0, seq_of_token, values.double(), "amax", include_self=True)
 
 
 _NONFINITE_FIX = ("slime's example would put NaN into pg_loss; fix the log-prob source (SGLang reports NaN/inf as "
@@ -173,7 +166,7 @@ def _slime_mis(settings: SlimeMisSettings, train: torch.Tensor, rollout: torch.T
         maxes["w_neg_min"] = torch.where(m_bool, -w_tok, -math.inf)
     zeros = torch.zeros(n_seqs, 0, dtype=torch.float64, device=dev)
     local_sums = segment_sums(list(sums.values()), cu_seqlens).T  # [B, k]
-    local_maxes = torch.stack([_segment_max(v, seq_of_token, n_seqs) for v in maxes.values()], 1) if maxes else zeros
+    local_maxes = torch.stack([segment_max(v, seq_of_token, n_seqs) for v in maxes.values()], 1) if maxes else zeros
     g_sums, g_maxes = reducer.combine_sequences(local_sums, local_maxes)
     col = dict(zip(sums, g_sums.unbind(1)))
     col.update(zip(maxes, g_maxes.unbind(1)))

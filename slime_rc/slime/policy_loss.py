@@ -39,7 +39,8 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import replace
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from itertools import accumulate
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -165,14 +166,15 @@ class _Layout:
         index = expand_runs(starts, lengths, n, device, width=4, constant=1)
         # the per-sample tensors, concatenated once and gathered once
         self.rows, self.sample_of_token = index[:, 0], index[:, 3]
-        self.cu_seqlens = upload(_cumulative(counts), torch.int64, device)
+        self.cu_seqlens = upload(list(accumulate(counts, initial=0)), torch.int64, device)
         if self.n_samples:
             flat_tokens = torch.cat([t.reshape(-1) for t in tokens]).to(device, non_blocking=True)
             self.targets = flat_tokens.index_select(0, index[:, 1]).long()
             full = torch.cat([m.reshape(-1) for m in masks]).to(device, non_blocking=True)
             self.mask = full.index_select(0, index[:, 2]) != 0
             # each sample's full mask sum (slime's default denominator), float64 on the device
-            self.full_mask_sums = segment_sum(full, upload(_cumulative(responses), torch.int64, device))
+            bounds = upload(list(accumulate(responses, initial=0)), torch.int64, device)
+            self.full_mask_sums = segment_sum(full, bounds)
         else:
             self.targets = torch.zeros(0, dtype=torch.int64, device=device)
             self.mask = torch.zeros(0, dtype=torch.bool, device=device)
@@ -203,13 +205,6 @@ class _Layout:
                 return f"sample {sample}, response token {j + flat_index}"
             flat_index -= length
         raise IndexError("packed index past this rank's tokens")
-
-
-def _cumulative(values: Sequence[int]) -> List[int]:
-    out = [0]
-    for v in values:
-        out.append(out[-1] + v)
-    return out
 
 
 def _check_finite(checks: DeferredChecks, layout: _Layout, keep: torch.Tensor, name: str,
