@@ -123,7 +123,7 @@ def compute_rollout_correction(
         sequences["is_weight"] = w if norm is None else w / norm
     return CorrectionResult(
         is_weights=None if weights is None else weights.detach(),
-        keep_mask=kept.keep_f,
+        keep_mask=kept.keep,
         metrics=dict(zip(names, values.unbind())),  # views of one vector: a caller reads them in one copy
         sequences=sequences,
     )

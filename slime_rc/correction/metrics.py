@@ -24,6 +24,7 @@ from slime_rc.correction.records import (BatchTotals, CriterionTotals, Extremes,
                                          SequenceExtremes, SequenceStats, SequenceTotals, SequenceWeightTotals,
                                          TokenStats, TokenTotals, TokenWeights, TokenWeightTotals, leaves, with_leaves)
 from slime_rc.correction.reducer import LocalReducer
+from slime_rc.correction.weights import outside_flag
 
 # name -> (when it is reported, definition).  docs/metrics.md is checked against this table by a test.
 METRICS = {
@@ -101,20 +102,22 @@ def batch_totals(batch: PackedBatch, tokens: TokenStats, seqs: SequenceStats, de
     (sums of per-sequence terms, counted by one rank per sequence group); one through collective 3 (MAX): the
     :class:`Extremes`.  Everything stays on the device: no host read.
     """
-    f64 = torch.float64
     local = with_leaves(seqs.local, _sum_columns(leaves(seqs.local), batch))  # this rank's token counts and sums
     n_invalid = batch.n_tokens - local.valid_tokens
+    # kept tokens: those no token rule rejected, in sequences not dropped (exact float64 counts, no pass over N)
+    kept_per_seq = seqs.local.valid_tokens if seqs.local.token_rejected is None else \
+        seqs.local.valid_tokens - seqs.local.token_rejected
+    kept_tokens = (kept_per_seq * ~decisions.drop).sum() if batch.n_seqs else n_invalid * 0
     weight_totals, hist, (raw_max, raw_neg_min) = (None, None, (None, None))
     if config.is_enabled:
         weight_totals, hist, (raw_max, raw_neg_min) = _is_token_totals(tokens, seqs, decisions, kept, config, n_invalid)
-    # float64 accumulation of float32 tokens (the reductions cast as they read: no float64 copy of N values)
     token = TokenTotals(
-        valid=local.valid_tokens, loss=local.valid_tokens + local.nonfinite_tokens, kept=kept.keep.sum(),
-        log_ratio_sum=local.log_ratio, abs_log_ratio_sum=torch.linalg.vector_norm(tokens.log_ratio, 1, dtype=f64),
-        clamped_log_ratio_sum=tokens.clamped_log_ratio.sum(dtype=f64),
+        valid=local.valid_tokens, loss=local.valid_tokens + local.nonfinite_tokens, kept=kept_tokens,
+        log_ratio_sum=local.log_ratio, abs_log_ratio_sum=_total(tokens.log_ratio.abs()),
+        clamped_log_ratio_sum=_total(tokens.clamped_log_ratio),
         # sums of r and r^2 over valid tokens: invalid tokens hold r = 1 exactly, so their count comes off after
-        ratio_sum_all=tokens.ratio.sum(dtype=f64),
-        ratio_sq_sum_all=torch.linalg.vector_norm(tokens.ratio, 2, dtype=f64).square(),
+        ratio_sum_all=_total(tokens.ratio),
+        ratio_sq_sum_all=_total_sq(tokens.ratio),
         invalid=n_invalid, nonfinite=local.nonfinite_tokens,
         veto=local.veto_tokens,
         rs_criteria=dict(local.rs_token_rejections),
@@ -147,18 +150,19 @@ def _is_token_totals(tokens: TokenStats, seqs: SequenceStats, decisions: Sequenc
     level)."""
     bound, bins = config.safety_bound, config.quantile_bins_per_octave
     log_hi, log_lo = math.log(config.is_upper_bound), math.log(config.is_lower)
-    w64 = kept.weights.double()
+    w = kept.weights
     if config.is_level == "token":
         lr, valid = tokens.log_ratio, tokens.valid
         # invalid tokens hold lr == 0: they can only count when a bound sits on the wrong side of 1
-        above, below = lr > log_hi, lr < log_lo
-        raw_above = (above if log_hi >= 0 else above & valid).sum()
-        raw_below = (below if log_lo <= 0 else below & valid).sum()
+        raw_above = _count(outside_flag(lr, -math.inf, log_hi, valid))
+        raw_below = _count(outside_flag(lr, log_lo, math.inf, valid))
         hist = histogram(lr, bins, bound)
         hist[hist.numel() // 2] -= n_invalid  # ... and land in the centre bin: take them out there
-        lr_c = tokens.clamped_log_ratio
+        # extremes of lr_c over valid tokens: invalid ones pushed to -1e30 (valid ones keep their exact value)
+        lr_c, off = tokens.clamped_log_ratio, torch.sub(valid, 1.0).mul_(_FAR)
         if lr_c.numel():
-            extremes = (torch.where(valid, lr_c, -math.inf).max(), torch.where(valid, -lr_c, -math.inf).max())
+            top, neg_bottom = (lr_c + off).max(), (off - lr_c).max()
+            extremes = tuple(torch.where(e > -_FAR / 2, e.double(), -math.inf) for e in (top, neg_bottom))
         else:  # no tokens on this rank (a shape, not a value: no read)
             extremes = tuple(torch.full((2,), -math.inf, dtype=torch.float64, device=lr_c.device).unbind())
     else:
@@ -168,7 +172,36 @@ def _is_token_totals(tokens: TokenStats, seqs: SequenceStats, decisions: Sequenc
         raw_below = (local_n * (raw < log_lo)).sum()
         hist = histogram(raw.clamp(-bound, bound), bins, bound, weights=local_n)
         extremes = (None, None)
-    return TokenWeightTotals(w64.sum(), torch.dot(w64, w64), raw_above, raw_below), hist, extremes
+    return TokenWeightTotals(_total(w), _total_sq(w), raw_above, raw_below), hist, extremes
+
+
+# invalid tokens' offset in the token extremes: far below any clamped log-ratio (|lr_c| <= safety bound)
+_FAR = 1e30
+
+
+# float64 accumulation of float32 tokens in chunks: a float64 copy of all N tokens at once is fresh memory each call
+# (on CPU, page faults that cost more than the sum); a chunk's copy is small and reused
+_CHUNK = 1 << 16
+
+
+def _total(x: torch.Tensor) -> torch.Tensor:
+    """Sum of ``[N]`` float32 values, accumulated in float64 (0-d)."""
+    if x.numel() <= _CHUNK:
+        return x.double().sum()
+    return torch.stack([c.double().sum() for c in x.split(_CHUNK)]).sum()
+
+
+def _total_sq(x: torch.Tensor) -> torch.Tensor:
+    """Sum of squares of ``[N]`` float32 values, squared and accumulated in float64 (0-d; a float32 square would
+    round, a float64 one is exact)."""
+    parts = [torch.dot(d, d) for d in (c.double() for c in x.split(_CHUNK))]
+    return parts[0] if len(parts) == 1 else torch.stack(parts).sum() if parts else x.new_zeros((), dtype=torch.float64)
+
+
+def _count(flags: torch.Tensor) -> torch.Tensor:
+    """Number of ones in ``[N]`` float32 0/1 flags (0-d float64; exact: float32 partial sums of ones stay exact
+    only below 2**24)."""
+    return _total(flags)
 
 
 def _sequence_terms(seqs: SequenceStats, decisions: SequenceDecisions, config: RolloutCorrectionConfig):

@@ -45,29 +45,101 @@ def segment_sum(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     return prefix[cu_seqlens[1:]] - prefix[cu_seqlens[:-1]]
 
 
-def segment_sums(columns: List[torch.Tensor], cu_seqlens: torch.Tensor) -> torch.Tensor:
+# Tokens per block of the blocked reductions below.
+_BLOCK = 64
+
+
+def segment_sums(columns: List[torch.Tensor], cu_seqlens: torch.Tensor, counts=()) -> torch.Tensor:
     """Per-sequence sums of several ``[N]`` columns at once: ``k x [N] -> [k, B]`` float64.
 
-    Bool columns (counts) are prefix-summed in one ``[kb, N + 1]`` int32 matrix (exact up to 2^31 tokens), the
-    others in one float64 matrix; each matrix is prefix-summed along the tokens in one op and read at the
-    boundaries.  A tensor given twice (one RS rule is also "any RS rule") is summed once.  A handful of ops whatever
-    ``k`` (one :func:`segment_sum` per column would be eight each).
+    Up to ``_MATRIX_TOKENS`` tokens (a micro-batch: kernel launches are the cost), the columns are copied into one
+    ``[k, N + 1]`` float64 matrix, prefix-summed along the tokens in one op and read at the boundaries: a handful
+    of ops whatever k.  Past it (memory traffic is the cost), each column is reduced where it lies, without a
+    ``k x N`` copy (fresh memory that size costs page faults on a CPU) and without a sequential scan of every
+    token: block sums of 64 tokens (counts -- bool columns and the float 0/1 columns that are (``is``) one of
+    ``counts`` -- in float32, exact; the rest in float64), prefix-summed in float64; sequence ``i`` from ``c0`` to
+    ``c1`` adds the blocks wholly inside it, the tail of ``c0``'s block and the head of ``c1``'s block (or, when
+    both boundaries share a block, the tokens between them), read from a ``[k, B, 64]`` gather.  A tensor given
+    twice (one RS rule is also "any RS rule") is summed once.
+
+    Exactness: float64 accumulation of the (at most float32) values either way (a float32 block sum is used for
+    counts only), so permuting a sequence's tokens changes its sum by float64 roundings only; as with any prefix
+    sum, a sequence's sum carries a rounding of ~1e-16 of the running total before it.
     """
     n, dev = columns[0].numel(), columns[0].device
-    unique = list({id(c): c for c in columns}.values())
-    sums = {}
-    for is_count in (True, False):
-        group = [c for c in unique if (c.dtype == torch.bool) == is_count]
-        if not group:
-            continue
-        m = torch.empty(len(group), n + 1, dtype=torch.int32 if is_count else torch.float64, device=dev)
+    unique, slot = _distinct(columns)
+    if n <= _MATRIX_TOKENS:
+        m = torch.empty(len(unique), n + 1, dtype=torch.float64, device=dev)
         m[:, :1].zero_()  # the rest is overwritten: zeroing it all would be one more pass over k x N
-        for row, column in zip(m[:, 1:], group):
-            row.copy_(column)
+        for row, column in zip(m[:, 1:], unique):
+            row.copy_(_as_values(column))
         torch.cumsum(m, 1, out=m)
         at = m.index_select(1, cu_seqlens)
-        sums.update(zip(map(id, group), (at[:, 1:] - at[:, :-1]).to(torch.float64)))
-    return torch.stack([sums[id(c)] for c in columns])
+        per_seq = at[:, 1:] - at[:, :-1]
+    else:
+        per_seq = _blocked_segment_sums(unique, cu_seqlens, counts)
+    if len(unique) == len(columns):
+        return per_seq
+    rows = per_seq.unbind()
+    return torch.stack([rows[i] for i in slot])
+
+
+def _distinct(columns: List[torch.Tensor]):
+    """``(the distinct tensors, in first-seen order; for each column its index there)``, by identity (``is``, not
+    ``id()``: torch.compile can follow the first, and would guard on the second's number)."""
+    unique: List[torch.Tensor] = []
+    slot: List[int] = []
+    for c in columns:
+        i = next((i for i, u in enumerate(unique) if u is c), len(unique))
+        if i == len(unique):
+            unique.append(c)
+        slot.append(i)
+    return unique, slot
+
+
+# Up to this many tokens segment_sums prefix-sums a matrix copy of its columns (fewest ops); past it, block sums of
+# each column where it lies (least memory traffic).
+_MATRIX_TOKENS = 1 << 16
+
+
+def _as_values(column: torch.Tensor) -> torch.Tensor:
+    # bool -> number through uint8: the same values, and vectorized kernels (bool's are not, on CPU)
+    return column.view(torch.uint8) if column.dtype == torch.bool else column
+
+
+def _blocked_segment_sums(columns: List[torch.Tensor], cu_seqlens: torch.Tensor, counts) -> torch.Tensor:
+    """:func:`segment_sums` past ``_MATRIX_TOKENS``: ``k x [N] -> [k, B]`` float64 from block sums."""
+    n, dev = columns[0].numel(), columns[0].device
+    n_blocks = n // _BLOCK + 1  # the last block holds the N % 64 tokens past the whole blocks (maybe none)
+    block_of = torch.div(cu_seqlens, _BLOCK, rounding_mode="floor")  # [B+1], each < n_blocks
+    offset = cu_seqlens - block_of * _BLOCK
+    first, last = block_of[:-1], block_of[1:]
+    spans = last > first  # [B]: the sequence reaches past its first block
+    position = torch.arange(_BLOCK, device=dev)
+    at = (block_of[:, None] * _BLOCK + position).clamp_(max=n - 1).view(-1)  # [(B+1) * 64] token positions
+    pieces = [_blocks_of_column(c, c.dtype == torch.bool or any(c is f for f in counts), n, at) for c in columns]
+    block_sums, ends = (torch.stack(p) for p in zip(*pieces))  # [k, n_blocks], [k, B+1, 64]
+    # [B, 64]: the tokens of its first / last block that belong to each sequence (all < N)
+    in_first = (position >= offset[:-1, None]) & ((position < offset[1:, None]) | spans[:, None])
+    in_last = (position < offset[1:, None]) & spans[:, None]
+    inner = torch.maximum(last, first + 1)  # whole blocks first+1 .. last-1 (none unless the sequence spans)
+    before = torch.zeros(len(columns), n_blocks + 1, dtype=torch.float64, device=dev)  # [:, j]: blocks < j
+    torch.cumsum(block_sums, 1, dtype=torch.float64, out=before[:, 1:])
+    partial = (ends[:, :-1] * in_first).sum(2, dtype=torch.float64) + \
+        (ends[:, 1:] * in_last).sum(2, dtype=torch.float64)
+    return before.index_select(1, inner) - before.index_select(1, first + 1) + partial
+
+
+def _blocks_of_column(column: torch.Tensor, count: bool, n: int, at: torch.Tensor):
+    """``([n_blocks] block sums, [B+1, 64] the block of each boundary)`` of one column, where it lies: the whole
+    blocks as a ``[n // 64, 64]`` view, the last (partial) block on its own; ``at``: the token positions of the
+    boundaries' blocks, clamped into ``[0, N)`` (the clamped ones are never among the tokens summed)."""
+    values = _as_values(column)
+    whole = n // _BLOCK * _BLOCK
+    dtype = torch.float32 if count else torch.float64  # counts: exact in float32 (<= 64 per block)
+    body = values[:whole].view(-1, _BLOCK).sum(1, dtype=dtype)
+    tail = values[whole:].sum(dtype=dtype).reshape(1)
+    return torch.cat([body, tail]), values.index_select(0, at).view(-1, _BLOCK)
 
 
 def segment_max(values: torch.Tensor, sequence_of_tokens: torch.Tensor, n_seqs: int,
@@ -96,7 +168,7 @@ def sequence_of_token(token_index: int, cu_seqlens: torch.Tensor) -> int:
 
 
 def check_packed_inputs(train_log_probs, rollout_log_probs, loss_mask, cu_seqlens):
-    """Validate shapes/dtypes and return ``(train fp32, rollout fp32, mask bool, cu int64, bad_input)``.
+    """Validate shapes/dtypes and return ``(train fp32, rollout fp32, mask fp32 0/1, cu int64, bad_input)``.
 
     What the metadata shows (types, shapes, dtypes, devices) raises ``ValueError`` here, naming the argument, what
     it holds and what it should hold.  What only the values show -- ``cu_seqlens`` not starting at 0, not ending
@@ -144,14 +216,20 @@ def check_packed_inputs(train_log_probs, rollout_log_probs, loss_mask, cu_seqlen
     cu = given.clamp(0, n).cummax(0).values
     cu[:1].fill_(0), cu[-1:].fill_(n)
     bad = (cu != given).any() | (given[0] != 0)  # (the second: a single entry is both first and last)
-    if loss_mask.dtype != torch.bool:
-        if loss_mask.is_floating_point():
-            bad = bad | (loss_mask * loss_mask != loss_mask).any()  # m^2 == m only for 0 and 1 (NaN fails too)
-        loss_mask = loss_mask != 0
+    if loss_mask.dtype == torch.float32:
+        mask = loss_mask.detach()
+    elif loss_mask.is_floating_point():
+        mask = loss_mask.detach().float()
+    else:  # bool or integer: 0/1 by construction (bool) or read as "non-zero is a loss token" (integer)
+        mask = (loss_mask != 0).view(torch.uint8).float()  # bool -> float through uint8: a vectorized copy
+    if loss_mask.is_floating_point():
+        # m^2 - m is 0 exactly for 0 and 1, NaN/inf for NaN/inf, non-zero otherwise: its squared sum finds them
+        d = mask * mask - mask
+        bad = bad | (torch.dot(d, d) != 0)
     # bf16/fp16 inputs are computed in fp32: exp() of a bf16 log-ratio is too coarse for weights near 1.
     train = train_log_probs.detach().float()
     rollout = rollout_log_probs.detach().float()
-    return train, rollout, loss_mask, cu, bad
+    return train, rollout, mask, cu, bad
 
 
 def describe_bad_input(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor, n: int) -> str:

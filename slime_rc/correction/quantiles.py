@@ -34,20 +34,22 @@ def num_bins(bins_per_octave: int, bound: float) -> int:
 
 
 def bin_index(x: torch.Tensor, bins_per_octave: int, bound: float) -> torch.Tensor:
-    """``[N] float32 -> [N] int64`` bin of each value; bin order follows value order, centre bin = 0."""
+    """``[N] float32 -> [N] int32`` bin of each value; bin order follows value order, centre bin = 0."""
     shift = 23 - int(math.log2(bins_per_octave))
     offset = (127 + MIN_EXPONENT) << (23 - shift)
     mag = x.abs().clamp_(min=2.0 ** MIN_EXPONENT, max=bound)
     # For positive floats the IEEE-754 bit pattern grows with the value: exponent, then mantissa.
     k = (mag.view(torch.int32) >> shift).sub_(offset)
-    # sign(x) * k places negative values below the centre bin; sign(0) = 0 lands in the centre bin
-    return (torch.sign(x) * k).add_(_half_bins(bins_per_octave, bound)).long()
+    # negative values (their sign bit set, -0.0 too: its k is 0) go below the centre bin: s = -1 there, 0 elsewhere,
+    # and (k ^ s) - s is -k where s = -1 (two's complement), k elsewhere -- integer arithmetic, no float round trip
+    s = x.view(torch.int32) >> 31
+    return k.bitwise_xor_(s).sub_(s).add_(_half_bins(bins_per_octave, bound))
 
 
 def histogram(x: torch.Tensor, bins_per_octave: int, bound: float, weights=None) -> torch.Tensor:
     """Histogram (float64 counts) of ``x`` on the grid above; ``weights`` count each value that many times."""
     n = num_bins(bins_per_octave, bound)
-    idx = bin_index(x.float(), bins_per_octave, bound)
+    idx = bin_index(x.float().contiguous(), bins_per_octave, bound)
     counts = torch.zeros(n, dtype=torch.float64, device=x.device)
     # index_add_, not bincount: bincount reads the largest index on the host (a GPU stall)
     if weights is None:

@@ -98,7 +98,8 @@ def with_leaves(record: Any, values: Iterable[Any]) -> Any:
 class PackedBatch:
     """The validated inputs of one call (``slime_rc.correction.packed.check_packed_inputs``).
 
-    ``train`` / ``rollout``: ``[N]`` float32 log pi_train / log pi_rollout.  ``mask``: ``[N]`` bool loss mask.
+    ``train`` / ``rollout``: ``[N]`` float32 log pi_train / log pi_rollout.  ``mask``: ``[N]`` float32 0/1 loss
+    mask.
     ``cu_seqlens``: ``[B+1]`` int64 sequence boundaries.  ``lengths``: ``[B]`` int64 tokens of each sequence here.
     """
 
@@ -124,24 +125,27 @@ class PackedBatch:
 # ---- stage 1 ---------------------------------------------------------------------------------------------------
 @dataclass
 class TokenStats:
-    """Stage 1: per-token quantities of this rank.
+    """Stage 1: per-token quantities of this rank.  Every flag is ``[N]`` float32 0/1 (sums and products of
+    flags are counts and intersections; on CPU float arithmetic is several times faster than bool's).
 
-    ``valid``: ``[N]`` bool, loss token with finite log-probs.
+    ``valid``: loss token with finite log-probs.
     ``log_ratio``: ``[N]`` float32 ``log r = log pi_train - log pi_rollout``, unclamped; 0 on invalid tokens.
     ``clamped_log_ratio``: ``[N]`` float32 ``clamp(log r, -safety_bound, safety_bound)``.
     ``ratio``: ``[N]`` float32 ``exp(clamped_log_ratio)``, the safety-bounded ratio; exactly 1 on invalid tokens.
     ``rollout_log_probs``: ``[N]`` float32 log pi_rollout, 0 on invalid tokens.
-    ``nonfinite``: ``[N]`` bool loss tokens with a NaN/inf log-prob.
-    ``veto``: ``[N]`` bool, tokens whose unclamped ratio is below ``veto_threshold``; None without veto.
-    ``rs_token``: option -> ``[N]`` bool, tokens rejected by that token-level RS criterion.
-    ``is_mask``: tokens whose ratio leaves ``[is_lower, is_upper_bound]`` under token-level mask mode, else None.
+    ``nonfinite``: loss tokens with a NaN/inf log-prob.
+    ``veto``: valid tokens whose unclamped ratio is below ``veto_threshold``; None without veto.
+    ``rs_token``: option -> valid tokens rejected by that token-level RS criterion.
+    ``is_mask``: valid tokens whose ratio leaves ``[is_lower, is_upper_bound]`` under token-level mask mode, else
+        None.
     ``rs_rejected``: union of ``rs_token``; None without token-level RS criteria.
     ``rejected``: union of ``rs_token`` and ``is_mask``; None when neither exists.
-    ``keep``: ``[N]`` bool, valid tokens that no token-level rule rejects (``valid & ~rejected``).
+    ``keep``: valid tokens that no token-level rule rejects (``valid - rejected``).
     ``is_weight``: ``[N]`` float32 bounded token IS weight ``weights.bounded_weight(ratio)`` on valid tokens, 0 on
         invalid ones (token-level IS only, else None); the keep mask is applied in stage 4.
     ``k_sum_terms``: option -> ``[N]`` float32 per-token k2/k3 (0 on invalid tokens) of each sequence criterion that
         sums or averages it; ``k_max_terms``: the same with -inf on invalid tokens for the criteria that take the max.
+    ``counts``: the flag tensors above (``packed.segment_sums`` sums them as counts, exactly in float32).
     """
 
     valid: torch.Tensor
@@ -159,6 +163,7 @@ class TokenStats:
     is_weight: Optional[torch.Tensor]
     k_sum_terms: Dict[str, torch.Tensor]
     k_max_terms: Dict[str, torch.Tensor]
+    counts: Tuple[torch.Tensor, ...] = ()
 
 
 # ---- stage 2 ---------------------------------------------------------------------------------------------------
@@ -249,12 +254,10 @@ class SequenceDecisions:
 
 @dataclass
 class TokenWeights:
-    """Stage 4: ``keep`` ``[N]`` bool (token kept in the loss), ``keep_f`` the same as float32 0/1, and
-    ``weights`` ``[N]`` float32 IS weight of each kept token (0 elsewhere) before batch normalization; None when IS
-    is off."""
+    """Stage 4: ``keep`` ``[N]`` float32 0/1 (token kept in the loss) and ``weights`` ``[N]`` float32 IS weight of
+    each kept token (0 elsewhere) before batch normalization; None when IS is off."""
 
     keep: torch.Tensor
-    keep_f: torch.Tensor
     weights: Optional[torch.Tensor]
 
 

@@ -38,7 +38,7 @@ def sequence_statistics(batch: PackedBatch, tokens: TokenStats, config: RolloutC
         is_weight=tokens.is_weight,
         k_sums=dict(tokens.k_sum_terms),
     )
-    local_sums = segment_sums(leaves(layout), cu).T  # [B, k], columns in SequenceSums field order
+    local_sums = segment_sums(leaves(layout), cu, tokens.counts).T  # [B, k], in SequenceSums field order
     local = with_leaves(layout, local_sums.unbind(1))
     if tokens.k_max_terms:
         seq_of = token_sequence_ids(batch.lengths, batch.n_tokens)

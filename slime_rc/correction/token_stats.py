@@ -18,7 +18,7 @@ import torch
 from slime_rc.config.schema import RolloutCorrectionConfig
 from slime_rc.correction.packed import first_nonfinite
 from slime_rc.correction.records import PackedBatch, TokenStats
-from slime_rc.correction.weights import bounded_weight, outside
+from slime_rc.correction.weights import bounded_weight, outside_flag
 
 
 def k_statistic(kind: str, clamped_log_ratio: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
@@ -31,7 +31,7 @@ def k_statistic(kind: str, clamped_log_ratio: torch.Tensor, ratio: torch.Tensor)
 def _union(flags: List[torch.Tensor]) -> torch.Tensor:
     out = flags[0]  # one rule: the same tensor (stage 2 sums a tensor given twice only once)
     for f in flags[1:]:
-        out = out | f
+        out = torch.maximum(out, f)
     return out
 
 
@@ -40,22 +40,24 @@ def token_statistics(batch: PackedBatch, config: RolloutCorrectionConfig) -> Tok
     train, rollout, mask = batch.train, batch.rollout, batch.mask
     bound = config.safety_bound
 
-    lr_raw = train - rollout
-    valid = mask & (lr_raw.abs() < math.inf)  # NaN or inf on either side makes log r non-finite
-    lr = torch.where(valid, lr_raw, 0.0)  # zeros keep every sum below finite and exact
-    rollout_v = torch.where(valid, rollout, 0.0)
+    lr = train - rollout
+    # valid = loss token with a finite log r (NaN or inf on either side makes it non-finite); as float32 0/1
+    valid = torch.lt(lr.abs(), math.inf, out=torch.empty_like(lr)).mul_(mask)
+    # zeros keep every sum below finite and exact: non-finite values go to 0 first, then masked tokens
+    lr = torch.nan_to_num_(lr, 0.0, 0.0, 0.0).mul_(valid)
+    rollout_v = torch.nan_to_num(rollout, 0.0, 0.0, 0.0).mul_(valid)
     lr_c = lr.clamp(-bound, bound)
     ratio = torch.exp(lr_c)  # safety-bounded per-token ratio; exactly 1 on invalid tokens
 
     veto = None
-    if config.veto_threshold is not None:
-        veto = valid & (lr < math.log(config.veto_threshold))  # unclamped ratio, before the safety bound
+    if config.veto_threshold is not None:  # unclamped ratio, before the safety bound
+        veto = outside_flag(lr, math.log(config.veto_threshold), math.inf, valid)
 
     k_cache: Dict[str, torch.Tensor] = {}
 
     def k_of(kind: str) -> torch.Tensor:  # each divergence is computed once, for every criterion that needs it
-        if kind not in k_cache:
-            k_cache[kind] = torch.where(valid, k_statistic(kind, lr_c, ratio), 0.0)
+        if kind not in k_cache:  # 0 on invalid tokens already: their lr_c is 0 and ratio 1
+            k_cache[kind] = k_statistic(kind, lr_c, ratio)
         return k_cache[kind]
 
     # token-level rejection: RS token criteria and token-level IS mask mode
@@ -64,10 +66,10 @@ def token_statistics(batch: PackedBatch, config: RolloutCorrectionConfig) -> Tok
     for c in config.rs:
         if c.granularity == "token":
             stat = lr if c.statistic == "k1" else k_of(c.statistic)
-            rs_flags.append((c.option, valid & outside(stat, *c.log_bounds)))
+            rs_flags.append((c.option, outside_flag(stat, *c.log_bounds, valid)))
     mask_flags = []
     if is_token and config.is_mode == "mask":
-        mask_flags.append(valid & outside(lr, math.log(config.is_lower), math.log(config.is_upper_bound)))
+        mask_flags.append(outside_flag(lr, math.log(config.is_lower), math.log(config.is_upper_bound), valid))
 
     rs_token = dict(rs_flags)
     is_mask = mask_flags[0] if mask_flags else None
@@ -76,7 +78,7 @@ def token_statistics(batch: PackedBatch, config: RolloutCorrectionConfig) -> Tok
     keep = valid
     if rs_flags or mask_flags:
         rejected = _union([f for _, f in rs_flags] + mask_flags)
-        keep = valid & ~rejected
+        keep = valid - rejected  # every flag is of valid tokens
 
     # per-token divergences of the sequence RS criteria that need them (aggregated per sequence in stage 2)
     k_sum_terms: Dict[str, torch.Tensor] = {}
@@ -84,17 +86,20 @@ def token_statistics(batch: PackedBatch, config: RolloutCorrectionConfig) -> Tok
     for c in config.rs:
         if c.granularity == "sequence" and c.statistic != "k1":
             if c.aggregate == "max":
-                k_max_terms[c.option] = torch.where(valid, k_of(c.statistic), -math.inf)
+                k_max_terms[c.option] = torch.where(valid > 0, k_of(c.statistic), -math.inf)
             else:
                 k_sum_terms[c.option] = k_of(c.statistic)
 
+    nonfinite = mask - valid
+    flags = [valid, nonfinite, veto, is_mask, rs_rejected, rejected, keep, *rs_token.values()]
     return TokenStats(
         valid=valid, log_ratio=lr, clamped_log_ratio=lr_c, ratio=ratio, rollout_log_probs=rollout_v,
-        nonfinite=mask & ~valid,
+        nonfinite=nonfinite,
         veto=veto, rs_token=rs_token, is_mask=is_mask, rs_rejected=rs_rejected, rejected=rejected, keep=keep,
         # computed here (not in stage 4) because collective 1 sums it per sequence for the sequence-weight metrics
-        is_weight=torch.where(valid, bounded_weight(ratio, config), 0.0) if is_token else None,
+        is_weight=bounded_weight(ratio, config) * valid if is_token else None,
         k_sum_terms=k_sum_terms, k_max_terms=k_max_terms,
+        counts=tuple(f for f in flags if f is not None),
     )
 
 

@@ -38,6 +38,20 @@ def outside(stat: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
     return (stat < lo) | (stat > hi)
 
 
+def outside_flag(stat: torch.Tensor, lo: float, hi: float, valid: torch.Tensor) -> torch.Tensor:
+    """:func:`outside` over ``[N]`` float32 tokens as float32 0/1, for valid tokens only (``valid``: float32 0/1;
+    invalid tokens hold ``stat = 0``, so the product is needed only when 0 itself lies outside the bounds).
+    Comparisons written into float32 and unions as sums (the two tests are disjoint): on CPU a comparison into
+    bool, a bool union or a bool->float conversion is several times slower than float arithmetic."""
+    tests = [(torch.gt, hi)] if lo == -math.inf else [(torch.lt, lo)] if hi == math.inf else \
+        [(torch.lt, lo), (torch.gt, hi)]
+    flag = None
+    for compare, b in tests:
+        f = compare(stat, b, out=torch.empty_like(stat))
+        flag = f if flag is None else flag.add_(f)
+    return flag.mul_(valid) if (lo > 0 or hi < 0) else flag
+
+
 def bounded_weight(ratio: torch.Tensor, config: RolloutCorrectionConfig) -> torch.Tensor:
     """The IS mode applied to safety-bounded ratios (any shape): ``truncate`` ``min(r, is_upper_bound)``, ``clip``
     ``clamp(r, is_lower, is_upper_bound)``; ``mask`` returns ``r`` unchanged (mask mode rejects rather than bounds)."""
@@ -103,15 +117,14 @@ def sequence_decisions(seqs: SequenceStats, config: RolloutCorrectionConfig) -> 
 
 # ---- 4. per-token keep mask and weights ----------------------------------------------------------------------------
 def token_weights(batch: PackedBatch, tokens: TokenStats, decisions: SequenceDecisions) -> TokenWeights:
-    """Stage 4: ``keep = token keep & sequence not dropped`` and ``weights = w * keep`` (``[N]``)."""
-    keep = tokens.keep & broadcast_to_tokens(~decisions.drop, batch.lengths, batch.n_tokens)
-    keep_f = keep.float()
+    """Stage 4: ``keep = token keep x sequence not dropped`` and ``weights = w * keep`` (``[N]`` float32)."""
+    keep = tokens.keep * broadcast_to_tokens((~decisions.drop).float(), batch.lengths, batch.n_tokens)
     weights = None
     if tokens.is_weight is not None:
-        weights = tokens.is_weight * keep_f
+        weights = tokens.is_weight * keep
     elif decisions.is_weight is not None:
-        weights = broadcast_to_tokens(decisions.is_weight.float(), batch.lengths, batch.n_tokens) * keep_f
-    return TokenWeights(keep=keep, keep_f=keep_f, weights=weights)
+        weights = broadcast_to_tokens(decisions.is_weight.float(), batch.lengths, batch.n_tokens).mul_(keep)
+    return TokenWeights(keep=keep, weights=weights)
 
 
 # ---- 5. batch normalization ------------------------------------------------------------------------------------

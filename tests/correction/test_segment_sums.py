@@ -1,0 +1,107 @@
+"""Per-sequence sums (``packed.segment_sums``): the matrix path (micro-batches) and the blocked path (large
+batches) against a float64 sum of each sequence on its own, and the engine's outputs equal on both paths."""
+
+import math
+
+import pytest
+import torch
+
+import slime_rc.correction.packed as packed
+from slime_rc import RolloutCorrectionConfig, compute_rollout_correction, parse_rejection_criteria
+from slime_rc.correction.packed import cu_seqlens_from_lengths, segment_sums
+
+# boundaries on, just before and just after block edges (64), empty sequences, one inside a block, a tail past the
+# last whole block, and N a multiple of 64
+LENGTHS = [[5, 3], [64], [64, 0, 64], [63, 1, 1, 65, 0], [1, 999], [0, 10, 0, 290, 0], [130, 7, 200, 3, 300]]
+
+
+@pytest.fixture(params=["matrix", "blocked"])
+def path(request, monkeypatch):
+    if request.param == "blocked":
+        monkeypatch.setattr(packed, "_MATRIX_TOKENS", 0)
+    return request.param
+
+
+def _own_sums(column: torch.Tensor, lengths) -> torch.Tensor:
+    """Each sequence's sum on its own, in float64 (the definition)."""
+    return torch.stack([piece.double().sum() for piece in column.split(lengths)])
+
+
+@pytest.mark.parametrize("lengths", LENGTHS)
+def test_equals_each_sequence_summed_alone(path, lengths):
+    g = torch.Generator().manual_seed(sum(lengths))
+    n = sum(lengths)
+    values = torch.randn(n, generator=g) * 3
+    flags = values > 0.5
+    float_flags = (values < -0.5).float()
+    cu = cu_seqlens_from_lengths(lengths)
+    got = segment_sums([values, flags, float_flags, values], cu, counts=(float_flags,))
+    want = torch.stack([_own_sums(values, lengths), _own_sums(flags, lengths), _own_sums(float_flags, lengths),
+                        _own_sums(values, lengths)])
+    assert got.dtype == torch.float64 and got.shape == (4, len(lengths))
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    # counts are exact
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+
+
+def test_a_huge_value_does_not_round_away_a_neighbour(path):
+    """Sequences share blocks of 64; one sequence's 4e8 costs its neighbours (one shares its block) no more than
+    float64 roundings of the running total (~1e-16 x 4e8 per block in the blocked path, per token in the matrix
+    path's prefix sum), where a float32 sum of the shared block would lose ~30."""
+    lengths = [70, 50, 100]
+    values = torch.full((220,), 0.001)
+    values[69] = 4e8  # last token of sequence 0, in the block where sequence 1 starts
+    got = segment_sums([values], cu_seqlens_from_lengths(lengths))[0]
+    torch.testing.assert_close(got[1:], _own_sums(values, lengths)[1:], rtol=0,
+                               atol=4e8 * 2.0 ** -50 * (1 if path == "blocked" else 220))
+
+
+def test_extreme_finite_values_do_not_overflow(path):
+    values = torch.full((200,), -3.0e38)
+    got = segment_sums([values], cu_seqlens_from_lengths([100, 100]))[0]
+    assert bool(torch.isfinite(got).all())
+    torch.testing.assert_close(got, torch.full((2,), -3.0e40, dtype=torch.float64), rtol=1e-6, atol=0)
+
+
+def test_permuting_a_sequences_tokens_keeps_its_sum(path):
+    g = torch.Generator().manual_seed(3)
+    lengths = [150, 77, 300]
+    values = torch.randn(sum(lengths), generator=g)
+    cu = cu_seqlens_from_lengths(lengths)
+    perm = torch.cat([torch.randperm(n, generator=g) + s for s, n in zip(cu[:-1].tolist(), lengths)])
+    a, b = segment_sums([values], cu), segment_sums([values[perm]], cu)
+    torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13)
+
+
+CONFIGS = [
+    RolloutCorrectionConfig(is_level="token", is_mode="truncate", is_upper_bound=2.0, is_batch_normalize=True,
+                            rs=parse_rejection_criteria("token", 2.0), veto_threshold=1e-4),
+    RolloutCorrectionConfig(is_level="sequence", is_mode="mask", is_upper_bound=3.0, on_nonfinite="reject",
+                            rs=parse_rejection_criteria("seq_mean_k3,seq_max_k2", "0.5,2.0")),
+    RolloutCorrectionConfig(is_level="geometric", is_mode="clip", is_upper_bound=1.5, is_lower_bound=0.7,
+                            rs=parse_rejection_criteria("token_k1", "0.5_2.0")),
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=["token", "sequence-mask", "geometric-clip"])
+def test_engine_outputs_equal_on_both_paths(config, monkeypatch):
+    g = torch.Generator().manual_seed(5)
+    lengths = [int(x) for x in torch.randint(0, 400, (24,), generator=g)]
+    n = sum(lengths)
+    rollout = -4.0 * torch.rand(n, generator=g)
+    train = rollout + 0.2 * torch.randn(n, generator=g)
+    train[torch.randint(0, n, (5,), generator=g)] -= 12.0
+    mask = (torch.rand(n, generator=g) > 0.1).float()
+    if config.on_nonfinite == "reject":
+        train[7] = math.nan
+    cu = cu_seqlens_from_lengths(lengths)
+    matrix = compute_rollout_correction(train, rollout, mask, cu, config)
+    monkeypatch.setattr(packed, "_MATRIX_TOKENS", 0)
+    blocked = compute_rollout_correction(train, rollout, mask, cu, config)
+    assert torch.equal(matrix.keep_mask, blocked.keep_mask)
+    assert 0 < float(matrix.keep_mask.sum()) < n  # something is kept and something rejected: the test can fail
+    torch.testing.assert_close(blocked.is_weights, matrix.is_weights, rtol=1e-6, atol=0)
+    for k in matrix.sequences:
+        torch.testing.assert_close(blocked.sequences[k], matrix.sequences[k], rtol=1e-12, atol=1e-12)
+    for k in matrix.metrics:
+        assert math.isclose(float(blocked.metrics[k]), float(matrix.metrics[k]), rel_tol=1e-9, abs_tol=1e-12), k
