@@ -24,8 +24,9 @@ then the loss makes no collective call.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -50,6 +51,7 @@ def loss_normalizer(count_mask: torch.Tensor, cu_seqlens: torch.Tensor,
                     reducer: Optional[LocalReducer] = None) -> LossNormalizer:
     """Denominators of the tokens counted by ``count_mask [N]`` (1 = counts), global over the reducer's groups:
     one ``combine_sequences`` (D_i over CP) and one ``sum_totals`` (D and the sample count over DP x CP)."""
+    check_token_shapes("loss_normalizer", (("count_mask", count_mask),))
     reducer = as_reducer(reducer)
     per_seq, _ = reducer.combine_sequences(segment_sum(count_mask.double(), cu_seqlens)[:, None],
                                            torch.zeros(cu_seqlens.numel() - 1, 0, dtype=torch.float64,
@@ -59,6 +61,45 @@ def loss_normalizer(count_mask: torch.Tensor, cu_seqlens: torch.Tensor,
                                                                             device=count_mask.device)
     totals = reducer.sum_totals(torch.stack([count_mask.double().sum(), live.double()]))
     return LossNormalizer(tokens=totals[0], sequences=totals[1], per_sequence=per_seq)
+
+
+def check_token_shapes(where: str, named: Sequence[Tuple[str, Optional[torch.Tensor]]]) -> int:
+    """The token count ``N`` of the per-token inputs ``named`` (``(argument, tensor or None)``, None skipped): each
+    must be a tensor of exactly shape ``[N]``.  Nothing is broadcast: an advantage of shape ``[N, 1]`` against
+    ``[N]`` tokens, or one log-prob against eight tokens, would silently scale or smear the loss.  ``N`` is the
+    length most of the 1-D inputs share (ties: the ``loss_mask``'s, else the first's), so the message names the odd
+    one out.  Shapes only (metadata): no host read.  ``ValueError`` naming the argument, its shape and ``[N]``."""
+    given = [(name, t) for name, t in named if t is not None]
+    if not given:
+        return 0
+    for name, t in given:
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{where}: {name} must be a torch.Tensor of shape [N] (one value per packed token), "
+                             f"got {type(t).__name__}")
+    lengths = [t.shape[0] for _, t in given if t.dim() == 1]
+    if not lengths:  # no 1-D input at all: name the first, expecting one dimension
+        name, t = given[0]
+        raise ValueError(f"{where}: {name} has shape {list(t.shape)}, expected [N] (1-D, one value per packed "
+                         f"token); flatten padded [B, T] batches and pass cu_seqlens")
+    counts = Counter(lengths)
+    top = max(counts.values())
+    mask_n = dict(given).get("loss_mask")
+    preferred = [mask_n.shape[0]] if mask_n is not None and mask_n.dim() == 1 else []
+    n = next(length for length in preferred + lengths if counts[length] == top)
+    agree = [name for name, t in given if tuple(t.shape) == (n,)]
+    for name, t in given:
+        if tuple(t.shape) == (n,):
+            continue
+        if t.numel() == n:
+            fix = f"reshape it to [{n}] (e.g. {name}.reshape(-1))"
+        elif name == "advantages":
+            fix = "repeat each sample's advantage over its tokens"
+        else:
+            fix = "pass it for the same packed tokens as the others"
+        like = f" like {', '.join(agree)}" if agree else ""
+        raise ValueError(f"{where}: {name} has shape {list(t.shape)}, expected [{n}]: every per-token input holds "
+                         f"exactly one value per packed token (N = {n}{like}), and nothing is broadcast; {fix}")
+    return n
 
 
 def _token_coefficients(normalizer: LossNormalizer, config: RolloutCorrectionConfig, cu_seqlens: torch.Tensor,
@@ -116,7 +157,9 @@ def compute_policy_loss(
             bypass mode, where pi_old := pi_rollout.
         rollout_log_probs: ``[N]`` log pi_rollout; needed whenever anything is corrected, in bypass mode, and for
             ``get_mismatch_metrics``.
-        advantages, loss_mask: ``[N]``; cu_seqlens: ``[B+1]``.
+        advantages, loss_mask: ``[N]``; cu_seqlens: ``[B+1]``.  Every per-token input (and a given
+            ``correction``'s ``keep_mask`` / ``is_weights``) must have exactly shape ``[N]``: nothing is broadcast,
+            a mismatch raises ``ValueError`` naming the argument, its shape and ``[N]`` (:func:`check_token_shapes`).
         reducer: for CP/DP (see module docstring).  correction: the engine's result for these tokens computed
             beforehand (decoupled mode's pre-step path); normalizer: precomputed denominators.
         checks: a :class:`~slime_rc.correction.checks.DeferredChecks` to add this call's value checks (and the
@@ -127,8 +170,14 @@ def compute_policy_loss(
         ``pg_clipfrac`` (kept tokens whose PPO term was clipped) and ``ppo_kl`` (log pi_old - log pi_theta),
         aggregated like the loss (this rank's share).
     """
-    mask = loss_mask.bool()
     bypass = config.mode == "bypass"
+    # shapes first (metadata only, no host read): a [N, 1] or [1] input would broadcast silently below
+    check_token_shapes("compute_policy_loss", (
+        ("log_probs", log_probs), ("old_log_probs", None if bypass else old_log_probs),
+        ("rollout_log_probs", rollout_log_probs), ("advantages", advantages), ("loss_mask", loss_mask),
+        ("correction.keep_mask", None if correction is None else correction.keep_mask),
+        ("correction.is_weights", None if correction is None else correction.is_weights)))
+    mask = loss_mask.bool()
     if bypass or config.corrects or config.get_mismatch_metrics:
         if rollout_log_probs is None:
             raise ValueError(f"rollout_log_probs is None but mode={config.mode!r} with "

@@ -103,4 +103,5 @@ def test_readme_names_no_missing_doc():
 def test_every_train_flag_is_documented():
     from slime_rc.demo.train.launch import _FLAGS
     documented = set(re.findall(r"^\| `(--[a-z-]+)`", _read("train.md"), flags=re.M))
-    assert documented == set(_FLAGS) | {"--nproc", "--output-dir"}, documented ^ (set(_FLAGS) | {"--nproc", "--output-dir"})
+    expected = set(_FLAGS) | {"--nproc", "--output-dir", "--overwrite"}
+    assert documented == expected, documented ^ expected

@@ -78,8 +78,24 @@ def parse_number(what: str, value: Any) -> Any:
         raise ValueError(f"{what}={value!r} is not a number") from None
 
 
+def refuse_band(name: str, value: Any, hint: str) -> None:
+    """``ValueError`` when ``value`` is text with an underscore (``'0.5_5'``) for a setting that takes one number.
+
+    Underscores never group digits here (Python's ``float('0.5_5')`` and YAML 1.1 read 0.55): such text is a
+    ``'lower_upper'`` band, which only the threshold settings take (``rs_upper_bound``, verl's
+    ``rollout_is_threshold`` / ``rollout_rs_threshold``; :func:`split_threshold`).  The message names the setting,
+    the value and the fix (``hint``)."""
+    if isinstance(value, str) and "_" in value:
+        lower, _, upper = value.strip().partition("_")
+        raise ValueError(f"{name}={value!r} is a 'lower_upper' band (lower {lower}, upper {upper}), but {name} takes "
+                         f"one number (underscores never group digits here): write a single number without an "
+                         f"underscore; {hint}")
+
+
 def positive_finite(name: str, value: Any, hint: str) -> float:
-    """``value`` as a finite float > 0; else ``ValueError`` naming ``name`` and the value, with ``hint``."""
+    """``value`` as a finite float > 0; else ``ValueError`` naming ``name`` and the value, with ``hint``.  Text
+    with an underscore is refused as a band (:func:`refuse_band`), not read as Python's ``float`` reads it."""
+    refuse_band(name, value, hint)
     try:
         value = float(value)
     except (TypeError, ValueError):

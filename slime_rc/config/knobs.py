@@ -363,6 +363,11 @@ def _spellings():
 # every key a mapping may use -> (dialect, translator to settings); the keys that take only true/false; the keys
 # that are the same word in two dialects
 SPELLINGS, BOOLEAN_SPELLINGS, SHARED_SPELLINGS = _spellings()
+# the keys whose value may be a 'lower_upper' band (text with one underscore, e.g. '0.5_2.0'): the RS threshold
+# (rs_upper_bound, verl's rollout_rs_threshold) and verl's rollout_is_threshold; every other number takes no band
+# (slime_rc.config._text.refuse_band)
+BAND_SPELLINGS = frozenset(s.name for k in KNOBS for s in k.all_spellings
+                           if k.parse is thresholds or s.to is _is_threshold)
 
 
 def _shown(knob: Knob) -> str:

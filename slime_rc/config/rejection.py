@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Tuple, Union
 
-from slime_rc.config._text import Threshold, did_you_mean, positive_finite, split_threshold
+from slime_rc.config._text import Threshold, did_you_mean, positive_finite, refuse_band, split_threshold
 
 # Rejection options.  Each is (granularity, aggregate, statistic):
 #   granularity "token" rejects single tokens, "sequence" rejects whole sequences;
@@ -121,6 +121,7 @@ def parse_rejection_criteria(
     names = rs_options(levels or None)
     if not names:
         return ()
+    refuse_band("rs_lower_bound", lower, f"a band goes into the threshold instead (rs_upper_bound: '{lower}')")
     if upper is None:
         raise ValueError(
             f"rejection sampling on {','.join(names)!r} needs a threshold: set rs_upper_bound "

@@ -112,7 +112,8 @@ class RolloutCorrectionConfig(_PresetAliases):
         if self.is_mode not in IS_MODES:
             raise ValueError(
                 f"is_mode={self.is_mode!r} is not an IS mode; use one of {IS_MODES}." + did_you_mean(str(self.is_mode), IS_MODES))
-        upper = positive_finite("is_upper_bound", self.is_upper_bound, "a typical value is 2.0")
+        upper = positive_finite("is_upper_bound", self.is_upper_bound,
+                                "a typical value is 2.0 (a band's lower end goes in is_lower_bound)")
         object.__setattr__(self, "is_upper_bound", upper)
         if self.is_lower_bound is not None:
             lower = positive_finite("is_lower_bound", self.is_lower_bound, "leave it unset for 1/is_upper_bound")

@@ -30,7 +30,7 @@ from typing import Any, Dict, List
 import yaml
 
 from slime_rc.config._text import near_miss
-from slime_rc.config.knobs import SPELLINGS
+from slime_rc.config.knobs import BAND_SPELLINGS, SPELLINGS
 from slime_rc.config.stack import Layer
 
 
@@ -112,6 +112,13 @@ def _slime_settings(data: Dict[str, Any], raw: Dict[str, Any], path: str, slime:
                 f"{path}: {key_text}: {raw[key]} is read by slime's yaml.safe_load (YAML 1.1) as the string "
                 f"{raw[key]!r}, not a number, and slime copies it onto args.{key_text} as that string. Write "
                 f"{key_text}: {_dotted(raw[key])} (a dot in the mantissa).")
+        if slime and isinstance(value, str) and isinstance(raw.get(key), (int, float)) \
+                and not isinstance(raw.get(key), bool) and key_text not in BAND_SPELLINGS:
+            raise ValueError(
+                f"{path}: {key_text}: {value} is read by slime's yaml.safe_load (YAML 1.1, where '_' separates "
+                f"digits) as the number {raw[key]!r}, and by slime-rc as the band {value!r}, but {key_text} takes "
+                f"one number: write it without an underscore (a band is for rs_upper_bound; an IS band is "
+                f"tis_lower_bound and tis_upper_bound).")
         if slime and isinstance(value, str) and isinstance(raw.get(key), (int, float)) \
                 and not isinstance(raw.get(key), bool):
             raise ValueError(

@@ -14,9 +14,11 @@ and loads it once there -- a function crosses a process boundary only by name, w
 file path does not have.
 
 Rank 0 prints one line per step and writes ``--output-dir``: ``config.json`` (the resolved rollout-correction config
-and the run settings), ``metrics.jsonl`` (one JSON object per step) and TensorBoard event files when tensorboard is
-installed; with ``--use-wandb`` it logs to wandb too (:mod:`slime_rc.demo.train.loggers`: slime's flags and key names,
-``train/<key>`` against ``train/step``).
+and the run settings), ``metrics.jsonl`` (one JSON object per step, flushed each step) and TensorBoard event files
+when tensorboard is installed; with ``--use-wandb`` it logs to wandb too (:mod:`slime_rc.demo.train.loggers`: slime's
+flags and key names, ``train/<key>`` against ``train/step``).  A directory that already holds a run's
+``metrics.jsonl`` or ``config.json`` is refused before anything starts, unless ``--overwrite``
+(:func:`check_output_dir`).
 """
 
 from __future__ import annotations
@@ -77,9 +79,29 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--nproc", type=int, default=1, help="local processes to spawn (ignored under torchrun)")
     g.add_argument("--output-dir", default=None,
                    help="where metrics.jsonl, config.json, TensorBoard and (by default) wandb go")
+    g.add_argument("--overwrite", action="store_true",
+                   help="replace a previous run's metrics.jsonl and config.json in --output-dir (without it, a "
+                        "directory holding them is refused)")
     add_logging_arguments(parser)
     add_rollout_correction_arguments(parser)
     return parser
+
+
+# the files a run writes into --output-dir that a second run would replace (metrics.jsonl is truncated at open)
+RUN_FILES = ("metrics.jsonl", "config.json")
+
+
+def check_output_dir(output_dir: Optional[str], overwrite: bool) -> None:
+    """Refuse, before anything runs, an ``--output-dir`` that holds a previous run's files (:data:`RUN_FILES`)
+    unless ``overwrite``; and a path that is not a directory.  ``ValueError`` naming the directory and the fix."""
+    if not output_dir:
+        return
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise ValueError(f"--output-dir {output_dir} is a file, not a directory; give a directory path")
+    found = [name for name in RUN_FILES if os.path.exists(os.path.join(output_dir, name))]
+    if found and not overwrite:
+        raise ValueError(f"--output-dir {output_dir} already holds a previous run's {' and '.join(found)}; give a "
+                         f"fresh --output-dir, or add --overwrite to replace them")
 
 
 def _settings(args) -> TrainSettings:
@@ -196,6 +218,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         logging_plan = plan_logging(args)  # a logger asked for but not installed fails here
         if args.rollout_engine == "sglang" and not args.sglang_url:
             raise ValueError("--rollout-engine sglang needs --sglang-url http://host:port")
+        if "RANK" not in os.environ or os.environ.get("RANK") == "0":  # under torchrun rank 0 alone writes
+            check_output_dir(args.output_dir, args.overwrite)  # last: nothing else can refuse the launch after it
     except ValueError as e:
         print(f"slime-rc train: error: {e}", file=sys.stderr)
         return 2

@@ -86,6 +86,9 @@ class TrainSettings:
 
     def check(self, config: RolloutCorrectionConfig) -> None:
         """Refuse settings that would do nothing under ``config`` (said at launch, before any process starts)."""
+        if not isinstance(self.num_steps, int) or isinstance(self.num_steps, bool) or self.num_steps < 1:
+            raise ValueError(f"--num-steps {self.num_steps}: a run needs at least one step (nothing would be "
+                             f"trained or logged); give --num-steps 1 or more (default {TrainSettings.num_steps})")
         if self.decoupled_metrics and config.mode != "bypass":
             raise ValueError(f"--decoupled-metrics is for bypass mode (it recomputes pi_old to measure pi_old vs "
                              f"pi_rollout); in mode={config.mode!r} pi_old is recomputed anyway and the rollout_corr/ "
