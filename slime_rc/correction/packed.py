@@ -100,6 +100,8 @@ def _distinct(columns: List[torch.Tensor]):
 # Up to this many tokens segment_sums prefix-sums a matrix copy of its columns (fewest ops); past it, block sums of
 # each column where it lies (least memory traffic).
 _MATRIX_TOKENS = 1 << 16
+# tokens per piece of a conversion to float64 (a multiple of the block)
+_CHUNK_TOKENS = 1 << 16
 
 
 def _as_values(column: torch.Tensor) -> torch.Tensor:
@@ -137,9 +139,10 @@ def _blocks_of_column(column: torch.Tensor, count: bool, n: int, at: torch.Tenso
     values = _as_values(column)
     whole = n // _BLOCK * _BLOCK
     dtype = torch.float32 if count else torch.float64  # counts: exact in float32 (<= 64 per block)
-    body = values[:whole].view(-1, _BLOCK).sum(1, dtype=dtype)
+    # a reduction into another dtype converts its whole input first: in chunks, that copy stays small and reused
+    body = [piece.view(-1, _BLOCK).sum(1, dtype=dtype) for piece in values[:whole].split(_CHUNK_TOKENS)]
     tail = values[whole:].sum(dtype=dtype).reshape(1)
-    return torch.cat([body, tail]), values.index_select(0, at).view(-1, _BLOCK)
+    return torch.cat(body + [tail]), values.index_select(0, at).view(-1, _BLOCK)
 
 
 def segment_max(values: torch.Tensor, sequence_of_tokens: torch.Tensor, n_seqs: int,

@@ -1,11 +1,13 @@
 """Per-sequence sums (``packed.segment_sums``): the matrix path (micro-batches) and the blocked path (large
-batches) against a float64 sum of each sequence on its own, and the engine's outputs equal on both paths."""
+batches) against a float64 sum of each sequence on its own, and the engine's outputs equal on both paths (the
+large-batch paths forced on a small batch by lowering their thresholds, so that they run here in milliseconds)."""
 
 import math
 
 import pytest
 import torch
 
+import slime_rc.correction.metrics as metrics
 import slime_rc.correction.packed as packed
 from slime_rc import RolloutCorrectionConfig, compute_rollout_correction, parse_rejection_criteria
 from slime_rc.correction.packed import cu_seqlens_from_lengths, segment_sums
@@ -19,6 +21,7 @@ LENGTHS = [[5, 3], [64], [64, 0, 64], [63, 1, 1, 65, 0], [1, 999], [0, 10, 0, 29
 def path(request, monkeypatch):
     if request.param == "blocked":
         monkeypatch.setattr(packed, "_MATRIX_TOKENS", 0)
+        monkeypatch.setattr(packed, "_CHUNK_TOKENS", 128)  # several float64 conversion pieces even here
     return request.param
 
 
@@ -97,6 +100,8 @@ def test_engine_outputs_equal_on_both_paths(config, monkeypatch):
     cu = cu_seqlens_from_lengths(lengths)
     matrix = compute_rollout_correction(train, rollout, mask, cu, config)
     monkeypatch.setattr(packed, "_MATRIX_TOKENS", 0)
+    monkeypatch.setattr(packed, "_CHUNK_TOKENS", 640)
+    monkeypatch.setattr(metrics, "_CHUNK", 1000)  # the token totals in several float64 pieces too
     blocked = compute_rollout_correction(train, rollout, mask, cu, config)
     assert torch.equal(matrix.keep_mask, blocked.keep_mask)
     assert 0 < float(matrix.keep_mask.sum()) < n  # something is kept and something rejected: the test can fail
