@@ -285,11 +285,16 @@ class _PerSequence:
 
 def _masked(metrics: Dict[str, Any], m: torch.Tensor, seq_of_token: torch.Tensor) -> Dict[str, torch.Tensor]:
     """Per-token metrics, zero off the loss mask: slime multiplies by the mask, and a value there must not be inf
-    (inf * 0 = NaN).  The per-sequence ones are broadcast to their tokens in one gather of a ``[k, B]`` matrix."""
-    keep = m != 0
+    (inf * 0 = NaN).  The per-sequence ones (a ``[B]`` value may be inf: a perplexity past float32) are broadcast
+    to their tokens in one gather of a ``[k, B + 1]`` matrix whose last column is 0, masked tokens pointing at it;
+    the per-token ones are finite by construction (built from the zeroed and clamped log-ratio), so a product with
+    the 0/1 mask zeroes them (``torch.where`` over ``[k, N]`` costs several times more on a CPU)."""
     names = [k for k, v in metrics.items() if isinstance(v, _PerSequence)]
     out = {}
     if names:
-        per_seq = torch.stack([metrics[k].value for k in names]).index_select(1, seq_of_token)
-        out = dict(zip(names, torch.where(keep, per_seq, 0.0).detach().unbind()))
-    return {k: out[k] if k in out else torch.where(keep, v, 0.0).detach() for k, v in metrics.items()}
+        n_seqs = metrics[names[0]].value.numel()
+        table = torch.stack([metrics[k].value for k in names])
+        table = torch.cat([table, table.new_zeros(len(names), 1)], 1)  # [k, B + 1]: column B holds the zeros
+        at = torch.where(m != 0, seq_of_token, n_seqs)  # masked tokens read column B
+        out = dict(zip(names, table.index_select(1, at).detach().unbind()))
+    return {k: out[k] if k in out else (v * m).detach() for k, v in metrics.items()}
