@@ -36,7 +36,7 @@ def resolve(layers: List[Layer], order: Tuple[str, ...] = KINDS) -> Resolution:
     first (:data:`KINDS`; :data:`SLIME_KINDS` for the resolution slime applies: YAML over flags)."""
     stack = Stack(layers, order)
     config = stack.build(RolloutCorrectionConfig)
-    notes = []
+    notes = list(stack.notes)  # settings that cannot act here, left beside what made them dead
     if config.is_enabled and not config.is_weights_applied:
         notes.append(
             f"IS weights are diagnostics only: in bypass mode with loss_type='ppo_clip' the PPO ratio "

@@ -245,6 +245,9 @@ class RolloutCorrectionConfig(_PresetAliases):
         (``rollout_is, rollout_is_threshold, rollout_rs, bypass_mode, loss_type, ...``) and the mode keys
         (``mode``, ``loss_type``, ``use_rollout_logprobs``, ``use_rollout_correction``).  Unknown keys raise
         ``ValueError`` naming the key and the closest valid one.  See :mod:`slime_rc.config.knobs`.
+        A setting that cannot act beside the others of ``d`` (``eps_clip`` with ``loss_type='reinforce'``, ...)
+        builds silently here: ``to_dict()`` of any config holds every key, dead or not, and reads back with
+        ``from_dict``; ``slime-rc config`` on a YAML file, and the launch, print the note.
         """
         return Stack([Layer.from_mapping(d)]).build(cls)
 

@@ -13,7 +13,7 @@ and builds the config with the class it is given (:meth:`Stack.build`): this mod
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Dict, List, Mapping, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from slime_rc.config._text import did_you_mean
 from slime_rc.config.knobs import (BOOLEAN_SPELLINGS, FIELD_SETTINGS, KNOB, KNOBS, PLAIN, SHARED_SPELLINGS,
@@ -116,6 +116,7 @@ class Stack:
         self.order = order
         self.values: Dict[str, Any] = {}
         self.owner: Dict[str, Layer] = {}
+        self.notes: List[str] = []  # settings that cannot act, turned dead at or above their own layer (build)
         for layer in sorted(layers, key=self.layer_rank):
             for key, value in layer.values.items():
                 self.values[key], self.owner[key] = value, layer
@@ -149,6 +150,7 @@ class Stack:
                    "to correct")
                 + ": " + ("add IS (use_tis) and/or RS (use_rs), or a preset, or drop it." if wanted else
                           "turn IS/RS/veto off (use_tis / use_rs false, no veto), or drop it."))
+        self._dead_in_config(config)
         return config
 
     def _refuse_dead_settings(self) -> None:
@@ -166,6 +168,27 @@ class Stack:
                 raise ValueError(
                     f"{self.given(knob.key)} given without {switch}: {what} {verb} no effect because {how}. "
                     f"Add {_switch_name(self.owner[knob.key], switch)} to enable {what}, or drop it.")
+
+    def _dead_in_config(self, config: Any) -> None:
+        """Settings that cannot act in the built ``config`` (``--eps-clip`` with the REINFORCE loss, the quantile
+        resolution with IS off, ``rejected_in_denominator`` where nothing can reject), by the rule of
+        :meth:`_refuse_dead_settings`: refused (``ValueError``) when given above the highest layer of the settings
+        that make it dead, or on the same command line; otherwise (left in a file or preset beside them, or made
+        dead by a higher layer) a note in :attr:`notes` (``slime-rc config`` and the launch print it)."""
+        self.notes = []
+        for key, causes, why, fix in _dead_settings(config):
+            if key not in self.values:
+                continue
+            layer = self.owner[key]
+            top = max((self.rank(c) for c in causes if c in self.owner), default=0)
+            message = (f"{self.given(key)} has no effect: {why(self)}. Drop it, or {fix(_Spell(layer))}.")
+            if self.rank(key) > top or (layer.kind == "flag" and self.rank(key) == top):
+                raise ValueError(message)
+            self.notes.append(message)
+
+    def cause(self, key: str) -> str:
+        """``(--rollout-correction-loss-type='reinforce')``: who set ``key``, for messages; '' when unset."""
+        return f" ({self.given(key)})" if key in self.owner else ""
 
     def _config_kwargs(self) -> Dict[str, Any]:
         kwargs: Dict[str, Any] = {k.field: self.get(k.key) for k in PLAIN if self.get(k.key) is not None}
@@ -233,6 +256,62 @@ class Stack:
                      if k in self.owner and (f"{fname}=" in message or f"{k}=" in message)]
         hits = list(dict.fromkeys(hits))
         return message + (f" (set by {', '.join(hits)})" if hits else "")
+
+
+class _Spell:
+    """A setting's name in the spelling of ``layer``: its flag on the command line, its key elsewhere."""
+
+    def __init__(self, layer: Layer):
+        self.layer, self.flags = layer, layer.kind == "flag"
+
+    def switch(self, key: str) -> str:
+        return _switch_name(self.layer, key)
+
+    def __call__(self, key: str, value: Optional[str] = None) -> str:
+        if self.flags:
+            return KNOB[key].flag + (f" {value}" if value is not None else "")
+        return key + (f": {value}" if value is not None else "")
+
+
+# The settings that decide whether a token can be rejected (rs, veto, IS mask mode, on_nonfinite='reject' where the
+# engine runs), and those that decide whether the engine runs at all.
+_REJECT_CAUSES = ("use_tis", "tis_mode", "use_rs", "rs", "rs_veto_threshold", "on_nonfinite",
+                  "use_rollout_correction", "get_mismatch_metrics")
+
+
+def _can_reject(config: Any) -> bool:
+    """Whether any token can leave the loss: RS criteria, a veto, IS in mask mode, or on_nonfinite='reject' where
+    the correction engine runs (something corrected, or get_mismatch_metrics; else the loss keeps every loss token:
+    slime_rc.losses.compute_policy_loss)."""
+    return config.rejects and (config.corrects or config.get_mismatch_metrics)
+
+
+def _dead_settings(config: Any):
+    """``(key, the settings that make it dead, why(stack), fix(spell))`` for every setting that cannot act in
+    ``config`` (whether it was given is the stack's business)."""
+    out = []
+    if config.loss_type == "reinforce":
+        for key in ("eps_clip", "eps_clip_high", "eps_clip_c"):
+            out.append((key, ("loss_type",),
+                        lambda s: f"the REINFORCE loss{s.cause('loss_type')} has no PPO ratio to clip (it is "
+                                  f"-stopgrad(w) * log pi_theta * A)",
+                        lambda sp: f"use the PPO loss ({sp('loss_type', 'ppo_clip')}) for the clip to act"))
+    if not config.is_enabled:
+        out.append(("quantile_bins_per_octave", ("use_tis",),
+                    lambda s: f"it sets the resolution of the IS quantile metrics (rollout_is_p25 ...), which are "
+                              f"computed only with IS weights on, and IS is off{s.cause('use_tis')}",
+                    lambda sp: f"add {sp.switch('use_tis')} to enable IS weights"))
+    if not _can_reject(config):
+        out.append(("rejected_in_denominator", _REJECT_CAUSES,
+                    lambda s: "no token can be rejected here: no RS criteria, no veto, IS mode is not mask, and "
+                              + ("on_nonfinite='reject' rejects only where the correction engine runs (nothing is "
+                                 "corrected and get_mismatch_metrics is off)" if config.on_nonfinite == "reject"
+                                 else "on_nonfinite is not 'reject'"),
+                    lambda sp: f"add a rejection for it to act on: RS ({sp.switch('use_rs')}"
+                               f" with {sp('rs_level')} / {sp('rs_upper_bound')}), a veto "
+                               f"({sp('rs_veto_threshold')}), IS mask mode ({sp('tis_mode', 'mask')}) or "
+                               f"{sp('on_nonfinite', 'reject')} with a correction"))
+    return out
 
 
 def _switch_name(layer: Layer, switch: str) -> str:

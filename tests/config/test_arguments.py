@@ -87,14 +87,15 @@ FLAG_TABLE = {
     "--rollout-correction-loss-type": (["--use-rollout-logprobs", "--rollout-correction-loss-type", "reinforce"],
                                        "loss_type", "reinforce"),
     "--rollout-correction-rejected-in-denominator": (
-        ["--use-tis", "--rollout-correction-rejected-in-denominator"], "rejected_in_denominator", True),
+        ["--use-tis", "--tis-mode", "mask", "--rollout-correction-rejected-in-denominator"],  # mask mode can reject
+        "rejected_in_denominator", True),
     "--eps-clip": (["--eps-clip", "0.1"], "eps_clip", 0.1),
     "--eps-clip-high": (["--eps-clip-high", "0.28"], "eps_clip_high", 0.28),
     "--eps-clip-c": (["--eps-clip-c", "3"], "eps_clip_c", 3.0),
     "--calculate-per-token-loss": (["--calculate-per-token-loss"], "loss_agg", "token_mean"),
     "--rollout-correction-safety-bound": (["--rollout-correction-safety-bound", "30"], "safety_bound", 30.0),
     "--rollout-correction-on-nonfinite": (["--rollout-correction-on-nonfinite", "reject"], "on_nonfinite", "reject"),
-    "--rollout-correction-quantile-bins": (["--rollout-correction-quantile-bins", "256"],
+    "--rollout-correction-quantile-bins": (["--use-tis", "--rollout-correction-quantile-bins", "256"],  # IS on
                                            "quantile_bins_per_octave", 256),
 }
 
