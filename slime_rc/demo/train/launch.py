@@ -4,6 +4,10 @@ Started under ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` set) every
 (NCCL when CUDA is present, else gloo): the same command scales to many nodes.  Otherwise it spawns ``--nproc``
 local processes.
 
+Every launch value is checked before any process starts (``TrainSettings.check_values``, :func:`check_layout`): a
+bad one is one ``slime-rc train: error:`` line naming the flag, the value and the fix, exit 2.  An SGLang server that
+fails the run (``SGLangError``) ends it with one such line, exit 1.
+
 Each thing is done once, before any process starts (:func:`main`): the rollout-correction configuration is resolved
 (``resolve_args``) and checked against the run settings, and the ``--custom-tis-function-path`` function is loaded
 (``tis_function_from_args``; a bad spec fails the launch).  The workers get the resolved configuration
@@ -35,6 +39,7 @@ import torch
 
 from slime_rc.config.arguments import add_rollout_correction_arguments, resolve_args, tis_function_from_args
 from slime_rc.config.schema import RolloutCorrectionConfig
+from slime_rc.demo.rollout.sglang_client import SGLangError
 from slime_rc.sglang_output import check_sampling_consistency
 from slime_rc.demo.train.loggers import LoggingPlan, add_logging_arguments, open_loggers, plan_logging
 from slime_rc.demo.train.loop import TrainSettings, run_training, settings_dict
@@ -47,7 +52,7 @@ _FLAGS = {"--tensor-model-parallel-size": "tp", "--pipeline-model-parallel-size"
           "--group-size": "group_size", "--micro-batches": "micro_batches", "--rollout-temperature": "temperature",
           "--top-p": "top_p", "--rollout-dtype": "rollout_dtype", "--stale-steps": "stale_steps",
           "--logit-noise": "logit_noise", "--hidden-size": "hidden_size", "--num-layers": "num_layers",
-          "--rollout-engine": "rollout_engine", "--sglang-url": "sglang_url",
+          "--rollout-engine": "rollout_engine", "--sglang-url": "sglang_url", "--sglang-timeout": "sglang_timeout",
           "--decoupled-metrics": "decoupled_metrics", "--dump-logprobs": "dump_logprobs"}
 
 
@@ -71,12 +76,17 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
             g.add_argument(flag, dest=name, type=int, default=None)
         elif name == "sglang_url":
             g.add_argument(flag, dest=name, default=None, help="SGLang server for --rollout-engine sglang")
+        elif name == "sglang_timeout":
+            g.add_argument(flag, dest=name, type=float, default=default, metavar="SECONDS",
+                           help=f"seconds to wait for SGLang's answer to one /generate (default {default}; the "
+                                f"connection itself must open within 5 s)")
         elif name == "rollout_engine":
             g.add_argument(flag, dest=name, choices=("torch", "sglang"), default=default)
         else:
             kind = {"int": int, "float": float, "str": str}[str(types[name])]
             g.add_argument(flag, dest=name, type=kind, default=default, help=f"default {default}")
-    g.add_argument("--nproc", type=int, default=1, help="local processes to spawn (ignored under torchrun)")
+    g.add_argument("--nproc", type=int, default=1,
+                   help="local processes to spawn, 1 or more (ignored under torchrun)")
     g.add_argument("--output-dir", default=None,
                    help="where metrics.jsonl, config.json, TensorBoard and (by default) wandb go")
     g.add_argument("--overwrite", action="store_true",
@@ -102,6 +112,37 @@ def check_output_dir(output_dir: Optional[str], overwrite: bool) -> None:
     if found and not overwrite:
         raise ValueError(f"--output-dir {output_dir} already holds a previous run's {' and '.join(found)}; give a "
                          f"fresh --output-dir, or add --overwrite to replace them")
+
+
+def check_layout(settings: TrainSettings, nproc: int, world: Optional[int] = None) -> None:
+    """The sizes against the processes, before any starts: ``nproc`` >= 1 and a multiple of tp*pp*cp, the
+    micro-batches split over the data-parallel ranks (``world``: ``WORLD_SIZE`` under torchrun, else ``nproc``).
+    ``ValueError`` naming the flags, the values and the fix."""
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"--nproc {nproc}: a run needs at least one process; give --nproc 1 or more (default 1)")
+    s = settings
+    need = s.tp * s.pp * s.cp
+    if world is None:
+        world, what = nproc, f"--nproc {nproc}"
+        if nproc % need:
+            raise ValueError(f"--nproc {nproc} is not a multiple of tp*pp*cp = {need}; data parallel is nproc / "
+                             f"(tp*pp*cp)")
+    else:
+        what = f"WORLD_SIZE {world}"
+        if world % need:
+            raise ValueError(f"torchrun's WORLD_SIZE {world} is not a multiple of tp*pp*cp = {need}; data parallel "
+                             f"is WORLD_SIZE / (tp*pp*cp)")
+    dp = world // need
+    if s.micro_batches % dp:
+        raise ValueError(f"--micro-batches {s.micro_batches}: {s.micro_batches} micro-batches do not split over "
+                         f"the {dp} data-parallel ranks ({what} / tp*pp*cp {need}); give a multiple of {dp}")
+    if s.vpp and s.vpp > 1 and not torch.cuda.is_available() and s.micro_batches // dp <= s.pp:
+        raise ValueError(f"--micro-batches {s.micro_batches}: the interleaved pipeline (--virtual-pipeline-model-"
+                         f"parallel-size {s.vpp}) on gloo needs more than pp = {s.pp} micro-batches per "
+                         f"data-parallel rank (got {s.micro_batches // dp}); give --micro-batches "
+                         f"{2 * s.pp * dp} or more, a multiple of {dp}")
+    if s.dump_logprobs and os.path.exists(s.dump_logprobs) and not os.path.isdir(s.dump_logprobs):
+        raise ValueError(f"--dump-logprobs {s.dump_logprobs} is a file, not a directory; give a directory path")
 
 
 def _settings(args) -> TrainSettings:
@@ -197,6 +238,15 @@ def _worker(rank: int, world: int, init_method: str, args: argparse.Namespace, l
         dist.destroy_process_group()
 
 
+def _spawned_worker(rank: int, world: int, init_method: str, args: argparse.Namespace, launch: Launch) -> None:
+    """:func:`_worker` in a spawned process: an SGLang failure is said in one line and the process exits 1."""
+    try:
+        _worker(rank, world, init_method, args, launch)
+    except SGLangError as e:
+        print(f"slime-rc train: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
 # The flag whose function main() loads: argparse's own check of it while parsing would be a second load.
 _TIS_FUNCTION_FLAG = "--custom-tis-function-path"
 
@@ -216,8 +266,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         settings = _settings(args)
         settings.check(resolution.config)  # refuse a bad configuration before starting anything
         logging_plan = plan_logging(args)  # a logger asked for but not installed fails here
-        if args.rollout_engine == "sglang" and not args.sglang_url:
-            raise ValueError("--rollout-engine sglang needs --sglang-url http://host:port")
+        torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+        check_layout(settings, args.nproc, int(os.environ["WORLD_SIZE"]) if torchrun else None)
         if "RANK" not in os.environ or os.environ.get("RANK") == "0":  # under torchrun rank 0 alone writes
             check_output_dir(args.output_dir, args.overwrite)  # last: nothing else can refuse the launch after it
     except ValueError as e:
@@ -226,19 +276,24 @@ def main(argv: Optional[List[str]] = None) -> int:
     args.rollout_correction_config = resolution.config  # what the custom_tis adapters read (travels with args)
     launch = Launch(settings, resolution.config, sources=dict(resolution.sources), notes=list(resolution.notes),
                     tis_function=tis_function, logging=logging_plan)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        _worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://", args, launch)
-        return 0
-    need = args.tp * args.pp * args.cp
-    if args.nproc % need:
-        print(f"slime-rc train: error: --nproc {args.nproc} is not a multiple of tp*pp*cp = {need}; data "
-              f"parallel is nproc / (tp*pp*cp)", file=sys.stderr)
-        return 2
-    store = "file://" + os.path.join(tempfile.mkdtemp(prefix="slime_rc_train_"), "store")
-    if args.nproc == 1:
-        _worker(0, 1, store, args, launch)
-    else:
-        import torch.multiprocessing as mp
-        mp.start_processes(_worker, args=(args.nproc, store, args, launch.for_spawned_workers()), nprocs=args.nproc,
-                           start_method="spawn")
+    try:
+        if torchrun:
+            _worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://", args, launch)
+            return 0
+        store = "file://" + os.path.join(tempfile.mkdtemp(prefix="slime_rc_train_"), "store")
+        if args.nproc == 1:
+            _worker(0, 1, store, args, launch)
+            return 0
+    except SGLangError as e:  # the server failed the run: one line, no traceback
+        print(f"slime-rc train: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    import torch.multiprocessing as mp
+    try:
+        mp.start_processes(_spawned_worker, args=(args.nproc, store, args, launch.for_spawned_workers()),
+                           nprocs=args.nproc, start_method="spawn")
+    except mp.ProcessExitedException as e:  # a worker said why (_spawned_worker) and exited
+        if e.exit_code != 1:
+            print(f"slime-rc train: error: worker process {e.error_index} exited with code {e.exit_code}",
+                  file=sys.stderr, flush=True)
+        return 1
     return 0

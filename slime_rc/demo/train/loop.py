@@ -38,6 +38,7 @@ original loss mask, summed over the step's micro-batches and DP x CP ranks, divi
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable, List, Optional
@@ -49,7 +50,10 @@ from slime_rc.config.schema import RolloutCorrectionConfig
 from slime_rc.correction.engine import compute_rollout_correction
 from slime_rc.correction.packed import cu_seqlens_from_lengths
 from slime_rc.demo.train.advantages import group_advantages
-from slime_rc.demo.train.task import EOS, MIN_VOCAB, make_prompts, rewards
+from slime_rc.demo.train.task import EOS, MIN_VOCAB, TASKS, make_prompts, rewards
+
+ROLLOUT_DTYPES = ("fp32", "bf16", "fp16")  # slime_rc.demo.rollout.in_process.DTYPES
+MAX_SEED = 2**31 - 1
 
 
 @dataclass
@@ -77,6 +81,7 @@ class TrainSettings:
     sequence_parallel: bool = False
     rollout_engine: str = "torch"  # or "sglang": a running server at sglang_url (it serves its own weights)
     sglang_url: Optional[str] = None
+    sglang_timeout: float = 60.0  # seconds to wait for the answer of one /generate (the connection: 5 s)
     decoupled_metrics: bool = False  # bypass mode: forward-only pass -> global pi_old vs pi_rollout metrics
     dump_logprobs: Optional[str] = None  # directory for per-step log-prob dumps (slime_rc.tools.dump)
     vocab_size: int = 16
@@ -85,15 +90,104 @@ class TrainSettings:
     num_attention_heads: int = 4
 
     def check(self, config: RolloutCorrectionConfig) -> None:
-        """Refuse settings that would do nothing under ``config`` (said at launch, before any process starts)."""
-        if not isinstance(self.num_steps, int) or isinstance(self.num_steps, bool) or self.num_steps < 1:
-            raise ValueError(f"--num-steps {self.num_steps}: a run needs at least one step (nothing would be "
-                             f"trained or logged); give --num-steps 1 or more (default {TrainSettings.num_steps})")
+        """Refuse a value no run can use (:meth:`check_values`) and settings that would do nothing under
+        ``config`` (said at launch, before any process starts)."""
+        self.check_values()
         if self.decoupled_metrics and config.mode != "bypass":
             raise ValueError(f"--decoupled-metrics is for bypass mode (it recomputes pi_old to measure pi_old vs "
                              f"pi_rollout); in mode={config.mode!r} pi_old is recomputed anyway and the rollout_corr/ "
                              f"metrics already are pi_old vs pi_rollout: drop the flag, or add "
                              f"--get-mismatch-metrics for them in standard mode")
+
+    def check_values(self) -> None:
+        """Every value on its own and the sizes together: ``ValueError``, one line naming the flag, the value and
+        the fix.  The launcher calls it (through :meth:`check`) before any process starts."""
+        def count(flag, value, minimum, what):
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                default = getattr(TrainSettings, _FIELD_OF[flag])
+                raise ValueError(f"{flag} {value}: {what}; give {flag} {minimum} or more (default {default})")
+
+        def number(flag, value, what, low, low_open, high=None, why=""):
+            ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                  and (value > low if low_open else value >= low) and (high is None or value <= high))
+            if not ok:
+                default = getattr(TrainSettings, _FIELD_OF[flag])
+                band = (f"{'>' if low_open else '>='} {low:g}" if high is None else
+                        f"in {'(' if low_open else '['}{low:g}, {high:g}]")
+                raise ValueError(f"{flag} {value}: {what} must be a finite number {band}{why}; give e.g. {flag} "
+                                 f"{default} (the default)")
+
+        for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size"):
+            count(flag, getattr(self, _FIELD_OF[flag]), 1, "a parallel size is a number of ranks")
+        if self.vpp is not None:
+            if isinstance(self.vpp, bool) or not isinstance(self.vpp, int) or self.vpp < 1:
+                raise ValueError(f"--virtual-pipeline-model-parallel-size {self.vpp}: virtual pipeline stages per "
+                                 f"rank must be 2 or more (with --pipeline-model-parallel-size 2 or more); give 2, or "
+                                 f"drop the flag")
+            if self.vpp > 1 and self.pp == 1:
+                raise ValueError(f"--virtual-pipeline-model-parallel-size {self.vpp} needs "
+                                 f"--pipeline-model-parallel-size 2 or more (got 1); raise the pipeline size or drop "
+                                 f"the flag")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("--sequence-parallel needs --tensor-model-parallel-size 2 or more (got 1): it splits "
+                             "activations over the tensor-parallel group; raise the tensor-parallel size or drop "
+                             "the flag")
+        count("--num-steps", self.num_steps, 1, "a run needs at least one step (nothing would be trained or "
+                                                "logged)")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"--seed {self.seed}: give a seed from 0 to {MAX_SEED} (default {TrainSettings.seed})")
+        number("--lr", self.lr, "the learning rate", 0.0, True)
+        if self.task not in TASKS:
+            raise ValueError(f"--task {self.task}: not a task; give one of {', '.join(TASKS)} (default "
+                             f"{TrainSettings.task})")
+        count("--digits", self.digits, 1, "a prompt needs at least one digit")
+        count("--prompts-per-step", self.prompts_per_step, 1, "a step needs at least one prompt")
+        count("--group-size", self.group_size, 1, "each prompt needs at least one sample")
+        if self.group_size == 1:
+            raise ValueError("--group-size 1: GRPO advantages compare each sample with the other samples of its "
+                             "prompt, so with one sample per prompt every advantage is 0 and nothing is learned; "
+                             f"give --group-size 2 or more (default {TrainSettings.group_size})")
+        count("--micro-batches", self.micro_batches, 1, "a step needs at least one micro-batch")
+        samples = self.prompts_per_step * self.group_size
+        if samples % self.micro_batches:
+            fits = max(d for d in range(1, self.micro_batches + 1) if samples % d == 0)
+            raise ValueError(f"--micro-batches {self.micro_batches}: the global batch of {self.prompts_per_step} "
+                             f"prompts x {self.group_size} samples = {samples} does not split into "
+                             f"{self.micro_batches} micro-batches; give a divisor of {samples} (e.g. "
+                             f"--micro-batches {fits})")
+        number("--rollout-temperature", self.temperature, "the sampling temperature", 0.0, True,
+               why=" (the trainer divides its logits by it)")
+        number("--top-p", self.top_p, "the nucleus mass", 0.0, True, 1.0)
+        if self.rollout_dtype not in ROLLOUT_DTYPES:
+            raise ValueError(f"--rollout-dtype {self.rollout_dtype}: not a rollout precision; give one of "
+                             f"{', '.join(ROLLOUT_DTYPES)} (default {TrainSettings.rollout_dtype})")
+        count("--stale-steps", self.stale_steps, 0, "a number of weight syncs")
+        number("--logit-noise", self.logit_noise, "the noise sigma", 0.0, False)
+        count("--hidden-size", self.hidden_size, 1, "the model needs a hidden size")
+        count("--num-layers", self.num_layers, 1, "the model needs a layer")
+        heads = self.num_attention_heads
+        if self.hidden_size % heads:
+            raise ValueError(f"--hidden-size {self.hidden_size}: not a multiple of the model's {heads} attention "
+                             f"heads; give a multiple of {heads} (default {TrainSettings.hidden_size})")
+        if heads % self.tp or self.vocab_size % self.tp:
+            fits = [t for t in range(1, heads + 1) if heads % t == 0 and self.vocab_size % t == 0]
+            raise ValueError(f"--tensor-model-parallel-size {self.tp}: the model's {heads} attention heads and "
+                             f"{self.vocab_size}-token vocabulary do not split over {self.tp} ranks; give one of "
+                             f"{', '.join(map(str, fits))}")
+        stages = self.pp * (self.vpp or 1)
+        if self.num_layers % stages:
+            raise ValueError(f"--num-layers {self.num_layers}: does not split over {stages} pipeline stages "
+                             f"(--pipeline-model-parallel-size {self.pp}"
+                             + (f" x --virtual-pipeline-model-parallel-size {self.vpp}" if self.vpp else "")
+                             + f"); give a multiple of {stages}")
+        if self.rollout_engine not in ("torch", "sglang"):
+            raise ValueError(f"--rollout-engine {self.rollout_engine}: give torch (in-process) or sglang")
+        if self.rollout_engine == "sglang" and not self.sglang_url:
+            raise ValueError("--rollout-engine sglang needs --sglang-url http://host:port")
+        if self.sglang_url is not None:
+            from slime_rc.demo.rollout.sglang_client import check_sglang_url
+            check_sglang_url(self.sglang_url)
+        number("--sglang-timeout", self.sglang_timeout, "seconds to wait for SGLang's answer", 0.0, True)
 
     def model_config(self):
         from slime_rc.demo.model import TinyGPTConfig
@@ -104,13 +198,23 @@ class TrainSettings:
                              max_seq_len=4 * (self.digits + 2) + 8, seed=1234 + self.seed)
 
 
+# the flag of each checked field (the launcher's _FLAGS, reversed where needed): messages name the flag a user typed
+_FIELD_OF = {"--tensor-model-parallel-size": "tp", "--pipeline-model-parallel-size": "pp",
+             "--context-parallel-size": "cp", "--num-steps": "num_steps", "--lr": "lr", "--digits": "digits",
+             "--prompts-per-step": "prompts_per_step", "--group-size": "group_size", "--micro-batches": "micro_batches",
+             "--rollout-temperature": "temperature", "--top-p": "top_p", "--stale-steps": "stale_steps",
+             "--logit-noise": "logit_noise", "--hidden-size": "hidden_size", "--num-layers": "num_layers",
+             "--sglang-timeout": "sglang_timeout"}
+
+
 def make_rollout_engine(s: TrainSettings, cfg):
     """The rollout engine: the in-process one with its mismatch knobs, or an SGLang server's ``/generate``."""
     if s.rollout_engine == "sglang":
         from slime_rc.demo.rollout.sglang_client import SGLangEngine
         if not s.sglang_url:
             raise ValueError("--rollout-engine sglang needs --sglang-url http://host:port")
-        return SGLangEngine(s.sglang_url, temperature=s.temperature, top_p=s.top_p)
+        return SGLangEngine(s.sglang_url, temperature=s.temperature, top_p=s.top_p,
+                            timeout=s.sglang_timeout)
     if s.rollout_engine != "torch":
         raise ValueError(f"--rollout-engine {s.rollout_engine!r}: use torch (in-process) or sglang")
     from slime_rc.demo.rollout.in_process import RolloutEngine
