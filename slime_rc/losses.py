@@ -1,7 +1,8 @@
 """Policy losses with rollout correction, on packed 1-D tokens (pure torch; no Megatron needed).
 
 Modes (``config.mode`` / ``config.loss_type``, rollout_corr_math.md §3), per loss token t, with
-``A`` the advantage, ``rho = exp(log pi_theta - log pi_old)`` and ``w`` the engine's IS weight (detached):
+``A`` the advantage, ``rho = exp(clamp(log pi_theta - log pi_old, +-safety_bound))`` (the ratio floor, see
+:func:`compute_policy_loss`) and ``w`` the engine's IS weight (detached):
 
 * standard PPO:      ``l_t = max(-A rho, -A clip(rho, 1 - eps, 1 + eps_high))``, pi_old recomputed, no correction;
 * decoupled PPO:     ``l_t = w * max(...)`` with ``w`` from pi_old / pi_rollout, RS/veto/mask drop tokens;
@@ -118,20 +119,22 @@ def _first_bad(values: torch.Tensor, where: torch.Tensor, cu_seqlens: torch.Tens
     bad = torch.nonzero(where & ~torch.isfinite(values.detach()))
     t = int(bad[0, 0])
     i = int(torch.searchsorted(cu_seqlens.to(torch.int64), torch.tensor(t, device=cu_seqlens.device), right=True)) - 1
-    return (f"sample {i}, position {t - int(cu_seqlens[i])} (packed token {t}) = {float(values[t])}; "
+    return (f"sample {i}, position {t - int(cu_seqlens[i])} (packed token {t}) = {float(values.detach()[t])}; "
             f"{bad.shape[0]} such value(s)")
 
 
-def add_value_checks(checks: DeferredChecks, keep: torch.Tensor, cu_seqlens: torch.Tensor, named) -> None:
+def add_value_checks(checks: DeferredChecks, keep: torch.Tensor, cu_seqlens: torch.Tensor, named,
+                     where: str = "the correction keeps") -> None:
     """``on_nonfinite='error'``: a deferred flag per named ``[N]`` tensor holding NaN/inf on a kept token (a kept
-    token's value reaches the loss).  No host read here; :meth:`DeferredChecks.raise_if_any` reads them once."""
+    token's value reaches the loss; ``where`` says which tokens ``keep`` marks).  No host read here;
+    :meth:`DeferredChecks.raise_if_any` reads them once."""
     for name, values, fix in named:
         if values is None:
             continue
         bad = (keep & ~torch.isfinite(values.detach())).sum()
-        checks.add(bad, f"{name} holds NaN/inf on loss tokens the correction keeps; {fix}",
+        checks.add(bad, f"{name} holds NaN/inf on loss tokens {where}; {fix}",
                    lambda name=name, values=values, fix=fix: (
-                       f"{name} holds NaN/inf on a loss token the correction keeps: "
+                       f"{name} holds NaN/inf on a loss token {where}: "
                        f"{_first_bad(values, keep, cu_seqlens)}; {fix}"))
 
 
@@ -167,8 +170,17 @@ def compute_policy_loss(
             it once at the end (one host read with ``on_nonfinite='error'``, none with ``'reject'``).
     Returns:
         the loss (0-d, this rank's share) and metrics: the engine's (``rollout_corr/...``) plus ``pg_loss``,
-        ``pg_clipfrac`` (kept tokens whose PPO term was clipped) and ``ppo_kl`` (log pi_old - log pi_theta),
-        aggregated like the loss (this rank's share).
+        ``pg_clipfrac`` (kept tokens whose PPO term was clipped, by the PPO clip, the dual clip or the ratio floor)
+        and ``ppo_kl`` (log pi_old - log pi_theta, within the floor), aggregated like the loss (this rank's share);
+        with ``on_nonfinite='reject'`` also ``pg_nonfinite_tokens`` (this rank's count of kept tokens the loss
+        rejected for a NaN/inf ``log_probs``, ``advantages`` or pi_old; the engine counts what it rejects itself).
+
+    The ratio floor: in the PPO loss ``log rho = log pi_theta - log pi_old`` is clamped to ``+-config.safety_bound``
+    (20 by default, the engine's bound; verl clamps at 20 too) before ``exp``.  Within the bound nothing changes;
+    beyond it rho is the constant ``e^{+-bound}`` (no gradient through it), so finite log-probs that overflow
+    ``exp`` -- SGLang's fp32 floor ``finfo.min`` = -3.4e38 or -1e4 as a rollout log-prob -- give a finite loss and
+    gradient.  Non-finite values are not clamped: ``on_nonfinite='error'`` raises ``ValueError`` naming the tensor,
+    the sample and the position; ``'reject'`` rejects the token (zero loss and gradient) and counts it.
     """
     bypass = config.mode == "bypass"
     # shapes first (metadata only, no host read): a [N, 1] or [1] input would broadcast silently below
@@ -187,21 +199,41 @@ def compute_policy_loss(
         raise ValueError(f"old_log_probs is None in mode={config.mode!r}: pass the recomputed log pi_old, or use "
                          f"bypass mode (--use-rollout-logprobs) where pi_old := pi_rollout.")
     old = rollout_log_probs if bypass else old_log_probs
+    old_name = "rollout_log_probs" if bypass else "old_log_probs"
+    ppo = config.loss_type != "reinforce"
+    reject = config.on_nonfinite == "reject"
     own_checks = checks is None
     if own_checks:
-        checks = DeferredChecks(read=config.on_nonfinite == "error")
+        checks = DeferredChecks(read=not reject)
 
-    if correction is None and (config.corrects or config.get_mismatch_metrics):
+    run_engine = correction is None and (config.corrects or config.get_mismatch_metrics)
+    fix = ("a NaN/inf there makes the loss NaN: fix its source, or set on_nonfinite='reject' to reject and count "
+           "such tokens")
+    engine_checked = ()
+    if run_engine and not reject:
+        # the tensors the engine reads are checked first, on every loss token as the engine checks them, so that the
+        # message names this call's argument (the engine would call pi_old / pi_theta 'train_log_probs')
+        engine_checked = ("log_probs" if bypass else "old_log_probs", "rollout_log_probs")
+        add_value_checks(checks, mask, cu_seqlens, (
+            (engine_checked[0], log_probs if bypass else old_log_probs, fix),
+            ("rollout_log_probs", rollout_log_probs, fix)), where="(loss_mask = 1)")
+    if run_engine:
         train = log_probs.detach() if bypass else old_log_probs
         correction = compute_rollout_correction(train, rollout_log_probs, mask, cu_seqlens, config, reducer=reducer,
                                                 checks=checks)
     keep = mask if correction is None else correction.keep_mask.bool()
-    if config.on_nonfinite == "error":  # with 'reject' the values of a kept token are the caller's (as before)
-        fix = "a NaN/inf there makes the loss NaN: fix its source"
-        add_value_checks(checks, keep, cu_seqlens, (
-            ("log_probs", log_probs, fix), ("advantages", advantages, fix),
-            ("rollout_log_probs" if bypass else "old_log_probs", None if config.loss_type == "reinforce" else old,
-             fix)))
+    # the values that reach the loss on a kept token: pi_theta, A and (PPO) pi_old
+    used = (("log_probs", log_probs), ("advantages", advantages)) + (((old_name, old),) if ppo else ())
+    nonfinite = None
+    if reject:  # drop a kept token with a non-finite value here too (the engine drops only what it sees) and count it
+        finite = torch.isfinite(log_probs.detach())
+        for _, values in used[1:]:
+            finite = finite & torch.isfinite(values.detach())
+        nonfinite = keep & ~finite
+        keep = keep & finite
+    else:
+        add_value_checks(checks, keep, cu_seqlens,
+                         [(name, values, fix) for name, values in used if name not in engine_checked])
     if normalizer is None:
         normalizer = loss_normalizer(mask if config.rejected_in_denominator else keep, cu_seqlens, reducer)
 
@@ -214,12 +246,18 @@ def compute_policy_loss(
         clipped = torch.zeros_like(keep)
         log_rho = torch.zeros_like(adv)
     else:
-        log_rho = lp.float() - torch.where(keep, old.float(), 0.0).detach()
+        # the floor: log rho clamped to +-safety_bound before exp (as the engine and verl do), so that finite
+        # log-probs that overflow exp() -- SGLang's fp32 floor -3.4e38, or -1e4 -- keep rho, the loss and the gradient
+        # finite.  It acts only beyond the bound (nothing changes within it); past it rho is the constant e^+-bound
+        # (no gradient), and the token counts in pg_clipfrac.
+        bound = config.safety_bound
+        raw_log_rho = lp.float() - torch.where(keep, old.float(), 0.0).detach()
+        log_rho = raw_log_rho.clamp(-bound, bound)
         rho = torch.exp(log_rho)
         upper = 1.0 + (config.eps_clip_high if config.eps_clip_high is not None else config.eps_clip)
         unclipped, clipped_term = -adv * rho, -adv * rho.clamp(1.0 - config.eps_clip, upper)
         per_token = torch.maximum(unclipped, clipped_term)
-        clipped = keep & (clipped_term > unclipped)
+        clipped = keep & ((clipped_term > unclipped) | (raw_log_rho.detach().abs() > bound))
         if config.eps_clip_c is not None:
             dual = -adv * config.eps_clip_c
             clipped = clipped | (keep & (adv < 0) & (per_token > dual))
@@ -235,6 +273,8 @@ def compute_policy_loss(
         "pg_clipfrac": (clipped.float() * coef).sum(),
         "ppo_kl": (torch.where(keep, -log_rho.detach(), 0.0) * coef).sum(),
     }
+    if nonfinite is not None:  # on_nonfinite='reject': this rank's count (with 'error' such a token raises)
+        metrics["pg_nonfinite_tokens"] = nonfinite.sum().float()
     if correction is not None:
         metrics.update(correction.prefixed())
     if own_checks:
