@@ -354,9 +354,22 @@ def tis_function_correction(tis_function: Callable, args, micro_batch: Dict[str,
             raise ValueError(f"TIS function {name}: metric {key!r} has {flat.numel()} values; expected one per "
                              f"response token this rank was given ({n_local}, CP-local, like pg_loss)")
         out[TIS_FUNCTION_PREFIX + str(key)] = (flat.to(device) * scale).sum()
+    # the loss multiplies these weights on every kept token: a NaN/inf there is a defect of the function (not of
+    # the data on_nonfinite is about) and would reach the gradient -- an error in both modes
+    bad_weight = (keep != 0) & ~torch.isfinite(weights)
+
+    def weight_message() -> str:  # the slow path: raising anyway
+        first = int(torch.nonzero(bad_weight)[0, 0])
+        return (f"TIS function {name} returned pg_loss (the IS weights) {float(weights[first])} at a kept loss token "
+                f"(this rank's packed token {first}); a weight must be finite where the loss keeps the token: bound "
+                f"the function's log-ratios before exp, or zero that token in its modified mask")
+    checks.add(bad_weight.sum(), f"TIS function {name} returned a NaN/inf weight (pg_loss) at a kept loss token; a "
+                                 f"weight must be finite where the loss keeps the token: bound the function's "
+                                 f"log-ratios before exp, or zero that token in its modified mask", weight_message)
     if own_checks:
         checks.raise_if_any()
-    return CorrectionResult(is_weights=weights * keep, keep_mask=keep, metrics=out)
+    # off the kept tokens a weight is not used: zeroed, NaN/inf included (NaN * 0 would still be NaN)
+    return CorrectionResult(is_weights=torch.nan_to_num(weights, 0.0, 0.0, 0.0) * keep, keep_mask=keep, metrics=out)
 
 
 def tis_function_metric_count(local_micro_batches: Sequence[Dict], per_token_loss: bool) -> float:

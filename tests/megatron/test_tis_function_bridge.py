@@ -6,6 +6,7 @@ multi-process runs are in ``tests/megatron/test_loss_layouts.py`` and ``tests/de
 from __future__ import annotations
 
 import argparse
+import math
 import types
 
 import pytest
@@ -280,3 +281,35 @@ def test_function_masks_zero_numerators_only_as_in_slime():
     losses = [float(policy_loss(logits, lmb, config, reducer=LocalReducer(), tis_function=fn,
                                 tis_args=argparse.Namespace())[0]) for fn in (dropping, zero_weight)]
     assert losses[0] == pytest.approx(losses[1], rel=1e-6, abs=1e-7) and losses[0] != 0.0
+
+
+@pytest.mark.parametrize("on_nonfinite", ["error", "reject"])
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_nonfinite_weight_on_a_kept_token_is_an_error_in_both_modes(on_nonfinite, bad):
+    """A plugin returning NaN/inf weights would put NaN into the gradient: ValueError naming the function (error
+    mode), a failed assertion before any use (reject mode: no host read is allowed, the check runs on the device)."""
+    config = RolloutCorrectionConfig(is_level="token", on_nonfinite=on_nonfinite)
+    lmb = _local(_batch(), 2, 0)
+
+    def nan_weight(args, *, pg_loss, loss_masks, **kw):
+        w = pg_loss.clone()
+        w[3] = bad
+        return w, loss_masks, {}
+    error = ValueError if on_nonfinite == "error" else RuntimeError
+    with pytest.raises(error, match=r"TIS function .*nan_weight.* returned .*(nan|inf|NaN/inf).* at a kept loss token"):
+        tis_function_correction(nan_weight, None, lmb, lmb["old_log_probs"], config=config)
+
+
+def test_a_nonfinite_weight_on_a_token_the_function_masks_is_fine():
+    config = RolloutCorrectionConfig(is_level="token")
+    lmb = _local(_batch(), 2, 0)
+
+    def masked_nan(args, *, pg_loss, loss_masks, total_lengths, response_lengths, **kw):
+        masks = [m.clone() for m in loss_masks]
+        j = zigzag_response_indices(total_lengths[0], response_lengths[0], 2, 0)
+        masks[0][j[0]] = 0  # this rank's first held token of sample 0, dropped by the function
+        w = pg_loss.clone()
+        w[0] = math.nan
+        return w, masks, {}
+    corr = tis_function_correction(masked_nan, None, lmb, lmb["old_log_probs"], config=config)
+    assert bool(torch.isfinite(corr.is_weights).all())
