@@ -12,7 +12,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -20,6 +19,7 @@ import torch
 
 from slime_rc.cli import main
 from slime_rc.demo.rollout.sglang_client import SGLangEngine, SGLangError, SGLangResponseError, check_sglang_url
+from tests.local_http import LocalServer, answer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--num-steps", "1", "--prompts-per-step", "2", "--group-size", "2", "--micro-batches", "1"]
@@ -226,7 +226,7 @@ def test_group_size_one_is_refused_because_every_grpo_advantage_would_be_zero(ca
 # finding 3: SGLang failures are bounded and clear -- real sockets and HTTP servers
 # ---------------------------------------------------------------------------------------------------------------
 
-class _Server:
+class _Server(LocalServer):
     """An HTTP server in a thread on a free port answering every POST with ``status``, ``body`` and
     ``content_type``."""
 
@@ -234,27 +234,12 @@ class _Server:
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self):
                 self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                self.send_response(status)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                answer(self, status, body, content_type)
 
             def log_message(self, *args):
                 pass
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(5)
+        super().__init__(Handler)
 
 
 def _json(obj) -> bytes:

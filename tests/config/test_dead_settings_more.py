@@ -10,7 +10,6 @@ Cases: the PPO clip knobs with the REINFORCE loss; the quantile resolution with 
 where no token can be rejected.
 """
 
-import argparse
 import json
 import re
 import warnings
@@ -18,27 +17,15 @@ import warnings
 import pytest
 
 from slime_rc import RolloutCorrectionConfig
-from slime_rc.config.arguments import add_rollout_correction_arguments, config_from_args, resolve_args
+from slime_rc.config.arguments import config_from_args
 from slime_rc.config.stack import Layer, Stack
 
 from tests.checks import raises_mentioning as _raises
+from tests.config.test_arguments import _config, _parse, _resolve  # one copy of the argv helpers
 
 BYPASS_PG = ["--use-rollout-logprobs", "--rollout-correction-loss-type", "reinforce"]
 
 
-def _parse(argv):
-    return add_rollout_correction_arguments(argparse.ArgumentParser(prog="train.py")).parse_args(argv)
-
-
-def _config(argv):
-    """The config of ``argv``; fails the test on any warning (a note is a warning at launch)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        return config_from_args(_parse(argv))
-
-
-def _resolve(argv):
-    return resolve_args(_parse(argv))
 
 
 def _yaml(tmp_path, text, name="rc.yaml"):

@@ -15,7 +15,6 @@ from __future__ import annotations
 import http.server
 import json
 import math
-import threading
 import time
 
 import pytest
@@ -25,6 +24,7 @@ from slime_rc.demo.model import TinyGPTConfig
 from slime_rc.demo.rollout import (RolloutEngine, SGLangEngine, TorchGPT, response_tokens_from_meta_info,
                               rollout_log_probs_from_meta_info, sampling_mask)
 from tests.dist_utils import run_distributed
+from tests.local_http import LocalServer, answer
 
 FIXED_T = 0.7  # temperature for the fixed sequences (both sides divide by it)
 GEN_T = 0.9  # rollout temperature of the generations scored by megatron
@@ -425,7 +425,7 @@ def test_meta_info_without_logprobs():
         rollout_log_probs_from_meta_info({"finish_reason": {"type": "length"}})
 
 
-class _Stub:
+class _Stub(LocalServer):
     """A tiny ``/generate`` server in a thread: answers each batched request from a RolloutEngine, in SGLang's
     response format, or with a canned body; records the requests."""
 
@@ -449,27 +449,12 @@ class _Stub:
                                                                         zip(o["rollout_log_probs"], o["response"])],
                                               "finish_reason": {"type": o["finish_reason"]}}} for o in out]
                 data = json.dumps(payload).encode()  # NaN would be written as NaN; canned bodies use null
-                self.send_response(stub.status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                answer(self, stub.status, data, "application/json")
 
             def log_message(self, *args):
                 pass
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(5)
+        super().__init__(Handler)
 
 
 def test_sglang_client_round_trip(mega):
