@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from slime_rc.config.schema import RolloutCorrectionConfig
-from slime_rc.correction.packed import upload
+from slime_rc.correction.packed import sum64, sum_sq64, upload
 from slime_rc.correction.quantiles import QUANTILES, histogram, quantiles_from_histogram
 from slime_rc.correction.records import (BatchTotals, CriterionTotals, Extremes, PackedBatch, SequenceDecisions,
                                          SequenceExtremes, SequenceStats, SequenceTotals, SequenceWeightTotals,
@@ -113,11 +113,11 @@ def batch_totals(batch: PackedBatch, tokens: TokenStats, seqs: SequenceStats, de
         weight_totals, hist, (raw_max, raw_neg_min) = _is_token_totals(tokens, seqs, decisions, kept, config, n_invalid)
     token = TokenTotals(
         valid=local.valid_tokens, loss=local.valid_tokens + local.nonfinite_tokens, kept=kept_tokens,
-        log_ratio_sum=local.log_ratio, abs_log_ratio_sum=_total(tokens.log_ratio.abs()),
-        clamped_log_ratio_sum=_total(tokens.clamped_log_ratio),
+        log_ratio_sum=local.log_ratio, abs_log_ratio_sum=sum64(tokens.log_ratio.abs()),
+        clamped_log_ratio_sum=sum64(tokens.clamped_log_ratio),
         # sums of r and r^2 over valid tokens: invalid tokens hold r = 1 exactly, so their count comes off after
-        ratio_sum_all=_total(tokens.ratio),
-        ratio_sq_sum_all=_total_sq(tokens.ratio),
+        ratio_sum_all=sum64(tokens.ratio),
+        ratio_sq_sum_all=sum_sq64(tokens.ratio),
         invalid=n_invalid, nonfinite=local.nonfinite_tokens,
         veto=local.veto_tokens,
         rs_criteria=dict(local.rs_token_rejections),
@@ -154,8 +154,8 @@ def _is_token_totals(tokens: TokenStats, seqs: SequenceStats, decisions: Sequenc
     if config.is_level == "token":
         lr, valid = tokens.log_ratio, tokens.valid
         # invalid tokens hold lr == 0: they can only count when a bound sits on the wrong side of 1
-        raw_above = _count(outside_flag(lr, -math.inf, log_hi, valid))
-        raw_below = _count(outside_flag(lr, log_lo, math.inf, valid))
+        raw_above = sum64(outside_flag(lr, -math.inf, log_hi, valid))
+        raw_below = sum64(outside_flag(lr, log_lo, math.inf, valid))
         hist = histogram(lr, bins, bound)
         hist[hist.numel() // 2] -= n_invalid  # ... and land in the centre bin: take them out there
         # extremes of lr_c over valid tokens: invalid ones pushed to -1e30 (valid ones keep their exact value)
@@ -172,36 +172,11 @@ def _is_token_totals(tokens: TokenStats, seqs: SequenceStats, decisions: Sequenc
         raw_below = (local_n * (raw < log_lo)).sum()
         hist = histogram(raw.clamp(-bound, bound), bins, bound, weights=local_n)
         extremes = (None, None)
-    return TokenWeightTotals(_total(w), _total_sq(w), raw_above, raw_below), hist, extremes
+    return TokenWeightTotals(sum64(w), sum_sq64(w), raw_above, raw_below), hist, extremes
 
 
 # invalid tokens' offset in the token extremes: far below any clamped log-ratio (|lr_c| <= safety bound)
 _FAR = 1e30
-
-
-# float64 accumulation of float32 tokens in chunks: a float64 copy of all N tokens at once is fresh memory each call
-# (on CPU, page faults that cost more than the sum); a chunk's copy is small and reused
-_CHUNK = 1 << 16
-
-
-def _total(x: torch.Tensor) -> torch.Tensor:
-    """Sum of ``[N]`` float32 values, accumulated in float64 (0-d)."""
-    if x.numel() <= _CHUNK:
-        return x.double().sum()
-    return torch.stack([c.double().sum() for c in x.split(_CHUNK)]).sum()
-
-
-def _total_sq(x: torch.Tensor) -> torch.Tensor:
-    """Sum of squares of ``[N]`` float32 values, squared and accumulated in float64 (0-d; a float32 square would
-    round, a float64 one is exact)."""
-    parts = [torch.dot(d, d) for d in (c.double() for c in x.split(_CHUNK))]
-    return parts[0] if len(parts) == 1 else torch.stack(parts).sum() if parts else x.new_zeros((), dtype=torch.float64)
-
-
-def _count(flags: torch.Tensor) -> torch.Tensor:
-    """Number of ones in ``[N]`` float32 0/1 flags (0-d float64; exact: float32 partial sums of ones stay exact
-    only below 2**24)."""
-    return _total(flags)
 
 
 def _sequence_terms(seqs: SequenceStats, decisions: SequenceDecisions, config: RolloutCorrectionConfig):

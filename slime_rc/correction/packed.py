@@ -104,6 +104,24 @@ _MATRIX_TOKENS = 1 << 16
 _CHUNK_TOKENS = 1 << 16
 
 
+def sum64(x: torch.Tensor) -> torch.Tensor:
+    """Sum of ``[N]`` float32 values (or 0/1 flags: exact), accumulated in float64 (0-d), converted in pieces of
+    ``_CHUNK_TOKENS``: a float64 copy of all N at once is fresh memory each call (on a CPU, page faults that cost
+    more than the sum); a piece's copy is small and reused."""
+    if x.numel() <= _CHUNK_TOKENS:  # one piece: fewest ops
+        return x.double().sum()
+    return torch.stack([piece.double().sum() for piece in x.split(_CHUNK_TOKENS)]).sum()
+
+
+def sum_sq64(x: torch.Tensor) -> torch.Tensor:
+    """Sum of squares of ``[N]`` float32 values, squared and accumulated in float64 (0-d; a float32 square would
+    round, a float64 one is exact), in pieces as :func:`sum64`."""
+    if x.numel() <= _CHUNK_TOKENS:
+        d = x.double()
+        return torch.dot(d, d)
+    return torch.stack([torch.dot(d, d) for d in (piece.double() for piece in x.split(_CHUNK_TOKENS))]).sum()
+
+
 def _as_values(column: torch.Tensor) -> torch.Tensor:
     # bool -> number through uint8: the same values, and vectorized kernels (bool's are not, on CPU)
     return column.view(torch.uint8) if column.dtype == torch.bool else column

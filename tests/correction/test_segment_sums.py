@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-import slime_rc.correction.metrics as metrics
 import slime_rc.correction.packed as packed
 from slime_rc import RolloutCorrectionConfig, compute_rollout_correction, parse_rejection_criteria
 from slime_rc.correction.packed import cu_seqlens_from_lengths, segment_sums
@@ -100,8 +99,7 @@ def test_engine_outputs_equal_on_both_paths(config, monkeypatch):
     cu = cu_seqlens_from_lengths(lengths)
     matrix = compute_rollout_correction(train, rollout, mask, cu, config)
     monkeypatch.setattr(packed, "_MATRIX_TOKENS", 0)
-    monkeypatch.setattr(packed, "_CHUNK_TOKENS", 640)
-    monkeypatch.setattr(metrics, "_CHUNK", 1000)  # the token totals in several float64 pieces too
+    monkeypatch.setattr(packed, "_CHUNK_TOKENS", 640)  # block sums and token totals in several float64 pieces
     blocked = compute_rollout_correction(train, rollout, mask, cu, config)
     assert torch.equal(matrix.keep_mask, blocked.keep_mask)
     assert 0 < float(matrix.keep_mask.sum()) < n  # something is kept and something rejected: the test can fail
