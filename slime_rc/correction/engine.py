@@ -1,7 +1,8 @@
 """The rollout-correction engine: IS weights, rejection (keep) mask and mismatch metrics for packed sequences.
 
 :func:`compute_rollout_correction` runs five stages over ``N`` tokens of ``B`` sequences on this rank
-(``r = pi_train / pi_rollout``), each a function whose output is a typed record (``records.py``):
+(``r = pi_train / pi_rollout``), each a function whose output is a typed record (``records.py``), after the ranks
+agree on the settings and their sequence counts (``reducer.agree``, a host-side exchange; ``agreement.py``):
 
 1. per token (``token_stats.py``): ``log r`` (fp32), validity (loss token with finite log-probs), token-level
    rejections (token RS criteria, token IS mask mode, veto flags), bounded token weights -> ``TokenStats``;
@@ -10,7 +11,7 @@
 3. sequence decisions (``weights.py``): sequence/geometric IS weights, sequence RS, veto, mask mode, non-finite
    rejection -> ``SequenceDecisions``;
 4. per token (``weights.py``): keep mask and IS weights -> ``TokenWeights``; then the batch totals and quantile
-   histogram (``metrics.py``, collective 2) and extremes (collective 3) -> ``BatchTotals``;
+   histogram and extremes (``metrics.py``, collective 2) -> ``BatchTotals``;
 5. batch normalization by the global mean weight (``weights.py``) and the metrics (``metrics.py``).
 
 Only ``reducer.py`` talks to other ranks; no Python loop runs over sequences and no tensor of size N crosses ranks.
@@ -93,11 +94,12 @@ def compute_rollout_correction(
     train, rollout, mask, cu, malformed = check_packed_inputs(train_log_probs, rollout_log_probs, loss_mask, cu_seqlens)
     batch = PackedBatch(train, rollout, mask, cu, lengths=cu[1:] - cu[:-1])
 
+    reducer.agree("compute_rollout_correction", config, batch.n_seqs)          # 0. ranks agree (host-side)
     tokens = token_statistics(batch, config)                                    # 1. per token
     seqs = sequence_statistics(batch, tokens, config, reducer)                  # 2. per sequence (collective 1)
     decisions = sequence_decisions(seqs, config)                                # 3. sequence decisions
     kept = token_weights(batch, tokens, decisions)                              # 4. keep mask and weights
-    totals = batch_totals(batch, tokens, seqs, decisions, kept, config, reducer, malformed)  # (collectives 2, 3)
+    totals = batch_totals(batch, tokens, seqs, decisions, kept, config, reducer, malformed)  # (collective 2)
     # deferred checks on global counts (after collective 2): every rank of the batch group raises together
     own = checks is None
     checks = DeferredChecks(read=config.on_nonfinite == "error") if own else checks

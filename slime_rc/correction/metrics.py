@@ -250,8 +250,8 @@ def _positions(record, start: int = 0):
 
 def _reduce(token: TokenTotals, hist: Optional[torch.Tensor], terms: SequenceTotals, extremes: Extremes,
             reducer: LocalReducer, batch: PackedBatch, config: RolloutCorrectionConfig) -> BatchTotals:
-    """Collectives 2 and 3: this rank's totals -> the batch's, as two float64 vectors on the device and records of
-    the positions in them (no per-value tensor is made: the metrics read the vectors with index arithmetic)."""
+    """The last collective: this rank's totals and extremes -> the batch's, as two float64 vectors on the device
+    and records of the positions in them (no per-value tensor is made: the metrics read them by index)."""
     dev = batch.device
     head = _pack(leaves(token), dev)
     columns = leaves(terms)
@@ -261,8 +261,7 @@ def _reduce(token: TokenTotals, hist: Optional[torch.Tensor], terms: SequenceTot
     else:
         seq_sums = torch.zeros(len(columns), dtype=torch.float64, device=dev)
     parts = [head, seq_sums] + ([hist] if hist is not None else [])  # the histogram last: sums[:k] are the scalars
-    sums = reducer.sum_totals(torch.cat(parts))  # collective 2
-    maxes = reducer.max_totals(_pack(leaves(extremes), dev))  # collective 3
+    sums, maxes = reducer.reduce_totals(torch.cat(parts), _pack(leaves(extremes), dev))  # the last collective
     k = head.numel() + seq_sums.numel()
     positions = _POSITIONS.get(config)  # which leaves exist depends on the config only
     if positions is None:

@@ -1,17 +1,24 @@
 """The one place that talks to other ranks.
 
-The engine hands a reducer three kinds of O(B)-sized statistics, never per-token tensors:
+A correction call first makes every rank agree on what it is about to reduce, then hands the reducer two kinds of
+O(B)-sized statistics, never per-token tensors:
 
+0. ``agree(what, settings, n_sequences)``: one fixed-size header per rank (a fingerprint of the settings, the
+   number of sequences, which sequence group it belongs to; :mod:`slime_rc.correction.agreement`), gathered over
+   the batch group on the **host** (a gloo group: CPU memory only, so nothing waits on a GPU stream).  Ranks with
+   different settings, or CP peers with different numbers of sequences, all raise the same ``ValueError`` naming
+   the ranks and what differs -- instead of meeting in a collective of mismatched sizes (gloo aborts, NCCL hangs)
+   or, with equal sizes, silently adding statistics of two configurations.
 1. ``combine_sequences(sums [B, k], maxes [B, m])``: per-sequence statistics of the ranks that hold pieces of
    the *same* sequences (the context-parallel group).  One ``all_gather``; every rank then reduces the gathered
    pieces in the same order, so all ranks of the group hold bit-identical per-sequence statistics.
-2. ``sum_totals(v)``: batch totals (counts, sums, histogram bins) over every rank holding part of the batch
-   (data-parallel x context-parallel).  One ``all_reduce(SUM)``.
-3. ``max_totals(v)``: batch extremes over the same ranks.  One ``all_reduce(MAX)``.
+2. ``reduce_totals(sums, maxes)``: batch totals (counts, sums, histogram bins) and batch extremes over every rank
+   holding part of the batch (data-parallel x context-parallel).  One ``all_reduce(SUM)``: the extremes travel as
+   one row per rank (``[world, m]``, zeros elsewhere, so the sum is exact) and each rank takes the rows' maximum.
 
-So a call of the engine costs at most 3 collectives however many sequences it holds.  Sequence-level totals
-must be counted once per sequence, not once per CP rank: ``counts_sequences`` is True on exactly one rank of
-each context-parallel group.
+So a call of the engine costs at most 3 collectives however many sequences it holds (2 without CP), the header
+included.  Sequence-level totals must be counted once per sequence, not once per CP rank: ``counts_sequences`` is
+True on exactly one rank of each context-parallel group.
 
 Outside the engine, the two other places that need other ranks ask here too: the slime adapters learn their CP
 rank and group (:func:`megatron_context_parallel`), and the once-per-step reduction of a TIS function's metrics
@@ -20,10 +27,13 @@ sums named values over DP x CP (:func:`sum_named_values`, :func:`megatron_step_g
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+import warnings
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+
+from slime_rc.correction import agreement
 
 
 class LocalReducer:
@@ -34,13 +44,16 @@ class LocalReducer:
     def __init__(self):
         self.num_collectives = 0
 
+    def agree(self, what: str, settings: Any, n_sequences: int) -> None:
+        """One process agrees with itself."""
+
     def combine_sequences(self, sums: torch.Tensor, maxes: torch.Tensor):
         return sums, maxes
 
-    def sum_totals(self, totals: torch.Tensor) -> torch.Tensor:
-        return totals
+    def reduce_totals(self, sums: torch.Tensor, maxes: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        return sums, maxes
 
-    def max_totals(self, totals: torch.Tensor) -> torch.Tensor:
+    def sum_totals(self, totals: torch.Tensor) -> torch.Tensor:
         return totals
 
 
@@ -51,15 +64,42 @@ class DistributedReducer(LocalReducer):
     None or a group of size 1 when sequences are not split.  ``batch_group``: ranks over which the batch is spread
     and over which metrics and batch normalization are global (the data-parallel x context-parallel group);
     None when only the sequence group matters (then totals are reduced over the sequence group).
+    ``check_ranks``: exchange the agreement header at each :meth:`agree` (one small host-side collective; see the
+    module docstring).  False skips it: ranks that disagree then fail as the collectives do.
     """
 
-    def __init__(self, sequence_group=None, batch_group=None):
+    def __init__(self, sequence_group=None, batch_group=None, *, check_ranks: bool = True):
         super().__init__()
+        self.check_ranks = check_ranks
         self.sequence_group = sequence_group
         self.sequence_world = dist.get_world_size(sequence_group) if sequence_group is not None else 1
         self.batch_group = batch_group if batch_group is not None else sequence_group
         self.batch_world = dist.get_world_size(self.batch_group) if self.batch_group is not None else 1
         self.counts_sequences = sequence_group is None or dist.get_rank(sequence_group) == 0
+        # which CP group this rank belongs to, as every rank can name it: its lowest global rank
+        self.sequence_key = (min(dist.get_process_group_ranks(sequence_group)) if sequence_group is not None
+                             else dist.get_rank())
+
+    def agree(self, what, settings, n_sequences):
+        """Raise the same ``ValueError`` on every rank of the batch group when their settings or (within a CP
+        group) their numbers of sequences differ.  One host-side all_gather of 5 int64 per rank; a second one,
+        of the settings themselves, only when the fingerprints differ (to name the keys)."""
+        if not self.check_ranks or self.batch_world == 1:
+            return
+        group = host_group(self.batch_group)
+        if group is None:
+            return
+        headers = _gather_header(agreement.header(settings, n_sequences, self.sequence_key, dist.get_rank()),
+                                 group, self.batch_world)
+        self.num_collectives += 1
+        fingerprints = {h[agreement.FINGERPRINT] for h in headers}
+        settings_of = None
+        if len(fingerprints) > 1 and len({h[agreement.PROTOCOL] for h in headers}) == 1:
+            settings_of = [None] * self.batch_world
+            dist.all_gather_object(settings_of, agreement.settings_dict(settings), group=group)
+        message = agreement.disagreement(what, headers, settings_of)
+        if message is not None:
+            raise ValueError(message)
 
     def combine_sequences(self, sums, maxes):
         if self.sequence_world == 1:
@@ -72,6 +112,17 @@ class DistributedReducer(LocalReducer):
         stacked = torch.stack(gathered)  # [world, B, k + m], same order on every rank
         return stacked[:, :, :k].sum(0), stacked[:, :, k:].amax(0) if maxes.shape[1] else maxes
 
+    def reduce_totals(self, sums, maxes):
+        if self.batch_world == 1:
+            return sums, maxes
+        n, m = sums.numel(), maxes.numel()
+        rows = torch.zeros(self.batch_world, m, dtype=sums.dtype, device=sums.device)
+        rows[dist.get_rank(self.batch_group)] = maxes  # x + 0 + ... + 0 == x exactly (-inf and NaN included)
+        packed = torch.cat([sums, rows.reshape(-1)])
+        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=self.batch_group)
+        self.num_collectives += 1
+        return packed[:n], packed[n:].view(self.batch_world, m).amax(0) if m else maxes
+
     def sum_totals(self, totals):
         if self.batch_world == 1:
             return totals
@@ -80,20 +131,48 @@ class DistributedReducer(LocalReducer):
         self.num_collectives += 1
         return totals
 
-    def max_totals(self, totals):
-        if self.batch_world == 1 or totals.numel() == 0:
-            return totals
-        totals = totals.clone()
-        dist.all_reduce(totals, op=dist.ReduceOp.MAX, group=self.batch_group)
-        self.num_collectives += 1
-        return totals
+
+_HOST_GROUPS: Dict[Tuple[int, ...], Any] = {}
+_warned_no_host_group = False
 
 
-def megatron_reducer(*, context_parallel: bool = True, data_parallel: bool = True) -> LocalReducer:
+def host_group(group):
+    """A process group over the ranks of ``group`` that takes CPU tensors: ``group`` itself when its backend is
+    gloo (or a mixed ``cpu:gloo,cuda:nccl`` one), else a gloo mirror made once per set of ranks by those ranks only
+    (``use_local_synchronization``: every CP group can make its own, in any order).  None, with one warning, when
+    no such group can be made (then :meth:`DistributedReducer.agree` checks nothing)."""
+    global _warned_no_host_group
+    if "gloo" in str(dist.get_backend(group)):
+        return group
+    ranks = tuple(dist.get_process_group_ranks(group))
+    if ranks not in _HOST_GROUPS:
+        try:
+            _HOST_GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+        except Exception as e:  # noqa: BLE001 - a build without gloo: say so once and go on unchecked
+            _HOST_GROUPS[ranks] = None
+            if not _warned_no_host_group:
+                _warned_no_host_group = True
+                warnings.warn(f"slime-rc: no gloo group over ranks {list(ranks)} ({e}); ranks are not checked for "
+                              f"matching settings before the correction's collectives", UserWarning, stacklevel=3)
+    return _HOST_GROUPS[ranks]
+
+
+def _gather_header(words: List[int], group, world: int) -> List[List[int]]:
+    """Every rank's header, in group order.  Host memory only (CPU tensors over a gloo group): it reads nothing
+    from a device, so :class:`slime_rc.testing.host_reads.HostReads` does not count it."""
+    mine = torch.tensor(words, dtype=torch.int64)  # host: metadata for a gloo group, never on a device
+    everyone = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(everyone, mine, group=group)
+    return [t.tolist() for t in everyone]
+
+
+def megatron_reducer(*, context_parallel: bool = True, data_parallel: bool = True,
+                     check_ranks: bool = True) -> LocalReducer:
     """A reducer over megatron-core's initialized ``parallel_state`` groups.
 
     ``context_parallel``: combine sequence statistics over the CP group (needed whenever CP > 1 and the inputs
     are each rank's CP shard).  ``data_parallel``: make metrics and batch normalization global over DP x CP.
+    ``check_ranks``: see :class:`DistributedReducer`.
     """
     from megatron.core import parallel_state as ps
 
@@ -105,7 +184,7 @@ def megatron_reducer(*, context_parallel: bool = True, data_parallel: bool = Tru
     if (seq_group is None or dist.get_world_size(seq_group) == 1) and (
             batch_group is None or dist.get_world_size(batch_group) == 1):
         return LocalReducer()
-    return DistributedReducer(seq_group, batch_group)
+    return DistributedReducer(seq_group, batch_group, check_ranks=check_ranks)
 
 
 def as_reducer(reducer: Optional[LocalReducer]) -> LocalReducer:

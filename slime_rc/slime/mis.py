@@ -125,6 +125,7 @@ def _slime_mis(settings: SlimeMisSettings, train: torch.Tensor, rollout: torch.T
                cu_seqlens: torch.Tensor, reducer, describe_token, checks: DeferredChecks) -> SlimeMisResult:
     s = settings
     reducer = as_reducer(reducer)
+    reducer.agree("custom_tis.mis (slime semantics)", settings, cu_seqlens.numel() - 1)
     dev = train.device
     n_tokens, n_seqs = train.numel(), cu_seqlens.numel() - 1
     # token -> its sequence, once; each broadcast below is then a gather

@@ -5,7 +5,9 @@ depends on the data (``nonzero``, boolean-mask indexing, ``repeat_interleave`` w
 ``bincount``, ``unique``, ``masked_select``) and every blocking host<->device copy (``torch.tensor(list)`` on the
 device) waits for the stream to drain.  On the CPU the same calls are cheap, which is why they creep in unseen;
 :class:`HostReads` sees them anyway: a ``TorchDispatchMode`` classifies every aten op, and ``Tensor.tolist`` /
-``Tensor.numpy`` (which bypass the dispatcher on the CPU) are wrapped while it is active.
+``Tensor.numpy`` (which bypass the dispatcher on the CPU) are wrapped while it is active.  Two places are host
+memory by construction and not counted: ``packed.upload`` (pinned, non-blocking) and the reducer's agreement header
+(``reducer._gather_header``: CPU tensors over a gloo group, never a device).
 
     with HostReads() as reads:
         compute_rollout_correction(...)
@@ -42,7 +44,7 @@ _READS = {
 
 def _why(func, args, kwargs) -> str | None:
     name = str(func)
-    if name == "aten.lift_fresh.default" and _in_upload():
+    if name == "aten.lift_fresh.default" and _in_frame("upload", "packed.py"):
         return None  # slime_rc.correction.packed.upload: pinned, non-blocking on a GPU
     if name in _READS:
         return _READS[name]
@@ -63,11 +65,12 @@ def _why(func, args, kwargs) -> str | None:
     return None
 
 
-def _in_upload() -> bool:
+def _in_frame(function: str, filename: str) -> bool:
+    """Whether ``slime_rc/correction/<filename>``'s ``function`` is on the stack."""
     frame = sys._getframe(1)
+    suffix = os.path.join("slime_rc", "correction", filename)
     while frame is not None:
-        if frame.f_code.co_name == "upload" and frame.f_code.co_filename.endswith(
-                os.path.join("slime_rc", "correction", "packed.py")):
+        if frame.f_code.co_name == function and frame.f_code.co_filename.endswith(suffix):
             return True
         frame = frame.f_back
     return False
@@ -104,7 +107,8 @@ class HostReads(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         why = _why(func, args, kwargs)
-        if why:
+        if why and not _in_frame("_gather_header", "reducer.py"):
+            # (the reducer's agreement header is CPU tensors over a gloo group: host memory, never a device)
             self._record(why, str(func))
         return func(*args, **kwargs)
 
@@ -114,7 +118,8 @@ class HostReads(TorchDispatchMode):
             self._patched[name] = original
 
             def wrapped(t, *a, _original=original, _name=name, **k):
-                self._record(f"Tensor.{_name}() (device->host copy)", f"Tensor.{_name}")
+                if not _in_frame("_gather_header", "reducer.py"):
+                    self._record(f"Tensor.{_name}() (device->host copy)", f"Tensor.{_name}")
                 return _original(t, *a, **k)
 
             setattr(torch.Tensor, name, wrapped)

@@ -258,6 +258,57 @@ def _layout_checks(ps, clean, with_nan, full_refs) -> dict:
     # 6: custom_tis.mis CP adapter vs its non-CP function (only under CP)
     if cp_size > 1:
         out["mis"] = _mis_checks(clean, dp_size, dp_rank, cp_size, cp_rank)
+
+    # 7: ranks that disagree are named on every rank, and the next agreeing call still works
+    out["disagree"] = _disagreement_checks(ps, clean)
+    return out
+
+
+def _disagreement_checks(ps, samples) -> dict:
+    """Each case makes one rank of every batch group (its position 1: every TP rank has one) or every CP rank 1
+    differ, and records what each rank raised."""
+    import torch.distributed as dist
+
+    from slime_rc.correction.reducer import _gather_header, host_group, megatron_reducer
+    from slime_rc.slime.mis import slime_mis
+    from slime_rc.slime.settings import SlimeMisSettings
+
+    batch_group = ps.get_data_parallel_group(with_context_parallel=True)
+    odd = dist.get_rank(batch_group) == 1
+    cp_size, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+    sh = shard(samples, ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(), cp_size, cp_rank)
+    base = RolloutCorrectionConfig(is_level="token", is_upper_bound=2.0)
+    cases = {
+        # same sizes everywhere: without the check, two IS caps would be silently summed
+        "is_cap": lambda: _call(sh, RolloutCorrectionConfig(is_level="token", is_upper_bound=3.0) if odd else base,
+                                megatron_reducer()),
+        # a different column set (RS adds statistics): without the check, gloo aborts on the sizes
+        "column_set": lambda: _call(sh, RolloutCorrectionConfig(is_level="token", is_upper_bound=2.0,
+                                                                rs=parse_rejection_criteria("token", 1.5))
+                                    if odd else base, megatron_reducer()),
+        "slime_mis": lambda: slime_mis(SlimeMisSettings(use_tis=True, tis_upper=3.0 if odd else 2.0),
+                                       *pack_samples(sh["local"]), reducer=megatron_reducer()),
+    }
+    if cp_size > 1:
+        fewer = dict(sh, local=sh["local"][:-1]) if cp_rank == 1 else sh
+        cases["cp_sequences"] = lambda: _call(fewer, base, megatron_reducer())
+        cases["cp_sequences_cp_only"] = lambda: _call(fewer, base, megatron_reducer(data_parallel=False))
+    out = {"rank": dist.get_rank(), "odd": odd, "batch_ranks": dist.get_process_group_ranks(batch_group),
+           "cp_ranks": dist.get_process_group_ranks(ps.get_context_parallel_group()),
+           "n_local": len(sh["local"])}
+    for name, run in cases.items():
+        try:
+            run()
+            out[name] = (None, "")
+        except Exception as e:  # noqa: BLE001 - reported by the parent
+            out[name] = (type(e).__name__, str(e))
+    # afterwards every rank agrees again: the same call goes through (nobody is left inside a collective)
+    out["after"] = float(_call(sh, base, megatron_reducer()).metrics["rollout_is_mean"])
+    # the gloo mirror a NCCL group gets (made by its members only), exercised on the CP group
+    mirror = host_group.__globals__["_HOST_GROUPS"].get(tuple(out["cp_ranks"]))
+    if mirror is None:
+        mirror = dist.new_group(out["cp_ranks"], backend="gloo", use_local_synchronization=True)
+    out["mirror_gathered"] = [h[0] for h in _gather_header([dist.get_rank()], mirror, len(out["cp_ranks"]))]
     return out
 
 
@@ -494,3 +545,33 @@ def test_policy_loss_shares_add_up_and_gradients_match_single_process(runs, layo
                 shares += case["share"]
         assert ref != 0.0
         assert shares == pytest.approx(ref, rel=1e-6, abs=1e-9), f"{layout}/{name}"
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_ranks_that_disagree_are_named_on_every_rank(runs, layout):
+    """A different IS cap (equal collective sizes), a different column set (unequal sizes), different slime mis
+    settings, and CP peers with different sequence counts: every rank raises a ValueError naming the ranks and
+    what differs -- no gloo abort, no silent merge -- and the next agreeing call goes through."""
+    results = [run[layout]["disagree"] for run in runs]
+    for r in results:
+        odd = [o["rank"] for o in results if o["odd"] and o["rank"] in r["batch_ranks"]]
+        assert len(odd) == 1, (layout, r["rank"], odd)
+        for case, key, values in (("is_cap", "is_upper_bound", ("2.0", "3.0")),
+                                  ("column_set", "rs", ("[]", "'option': 'token'")),
+                                  ("slime_mis", "tis_upper", ("2.0", "3.0"))):
+            raised, message = r[case]
+            what = f"{layout}/{case} rank {r['rank']}: {raised} {message!r}"
+            assert raised == "ValueError", what
+            assert "the ranks disagree before their first collective" in message, what
+            assert f"{key}: " in message and all(v in message for v in values), what
+            assert f"rank {odd[0]} " in message, what
+        if "cp_sequences" in r:
+            n = {o["rank"]: o["n_local"] for o in results}
+            cp = r["cp_ranks"]
+            for case in ("cp_sequences", "cp_sequences_cp_only"):
+                raised, message = r[case]
+                what = f"{layout}/{case} rank {r['rank']}: {raised} {message!r}"
+                assert raised == "ValueError" and "hold different numbers of sequences" in message, what
+                assert f"rank {cp[0]} {n[cp[0]]}, rank {cp[1]} {n[cp[1]] - 1}" in message, what
+        assert r["after"] > 0
+        assert sorted(r["mirror_gathered"]) == sorted(r["cp_ranks"]), (layout, r)
