@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.metadata
 import json
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -32,10 +33,18 @@ def _int64(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
 
 
-def protocol_word() -> int:
-    from slime_rc import __version__
+def _version() -> str:
+    try:
+        return importlib.metadata.version("slime-rc")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        return "source"
 
-    return _int64(f"slime-rc rank agreement 1 / {__version__}")
+
+_PROTOCOL = _int64(f"slime-rc rank agreement 1 / {_version()}")
+
+
+def protocol_word() -> int:
+    return _PROTOCOL
 
 
 def settings_dict(settings: Any) -> Dict[str, Any]:
@@ -93,12 +102,12 @@ def disagreement(what: str, headers: Sequence[Sequence[int]],
     by_group: Dict[int, List[Sequence[int]]] = {}
     for h in headers:
         by_group.setdefault(h[SEQUENCE_KEY], []).append(h)
-    for peers in by_group.values():
-        if len({h[SEQUENCES] for h in peers}) > 1:
-            held = ", ".join(f"rank {h[RANK]} {h[SEQUENCES]}" for h in peers)
-            problems.append(f"context-parallel peers ({_ranks([h[RANK] for h in peers])}) hold different numbers "
-                            f"of sequences ({held}): the ranks of a CP group hold pieces of the same sequences, so "
-                            f"split each sequence over them (slime_rc.megatron.cp_layout), never the batch")
+    uneven = ["; ".join(f"rank {h[RANK]} holds {h[SEQUENCES]}" for h in peers) for peers in by_group.values()
+              if len({h[SEQUENCES] for h in peers}) > 1]
+    if uneven:
+        problems.append("context-parallel peers hold different numbers of sequences (" + " | ".join(uneven)
+                        + "): the ranks of a CP group hold pieces of the same sequences, so split each sequence "
+                          "over them (slime_rc.megatron.cp_layout), never the batch")
     if not problems:
         return None
     return (f"{what}: the ranks disagree before their first collective, so nothing was reduced: "
@@ -118,5 +127,6 @@ def _settings_difference(headers: Sequence[Sequence[int]], settings_of: Optional
         for h, d in zip(headers, settings_of):
             values.setdefault(repr(d.get(key, "<unset>")), []).append(h[RANK])
         if len(values) > 1:
-            parts.append(f"{key}: " + ", ".join(f"{_ranks(r)} {v}" for v, r in values.items()))
+            parts.append(f"{key}: " + ", ".join(f"{_ranks(r)} {'have' if len(r) > 1 else 'has'} {v}"
+                                                for v, r in values.items()))
     return "; ".join(parts) if parts else "the same values but different fingerprints (report this as a bug)"

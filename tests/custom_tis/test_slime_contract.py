@@ -382,14 +382,17 @@ def test_cp_equals_single_process_and_slime_semantics(cp_runs, cp, name):
 @pytest.mark.parametrize("cp", CP_SIZES)
 def test_cp_costs_one_all_gather_of_per_sequence_values(cp_runs, cp):
     """No sequence is gathered: one all-gather of B x k float64 per call (slime's example all-reduces every
-    sequence's log-probs twice)."""
+    sequence's log-probs twice), after the ranks' 5-word agreement header (int64, on the host)."""
+    from slime_rc.correction.agreement import HEADER_WORDS
+
     n_samples = len(make_samples(0))
     for run in cp_runs:
         for name, r in run[cp].items():
             if name == "nan":
                 continue
-            assert [c for c, _ in r["calls"]] == ["all_gather"], (name, r["calls"])
-            per_seq_values = r["calls"][0][1] / 8 / n_samples
+            assert [c for c, _ in r["calls"]] == ["all_gather", "all_gather"], (name, r["calls"])
+            assert r["calls"][0][1] == HEADER_WORDS * 8, (name, r["calls"])
+            per_seq_values = r["calls"][1][1] / 8 / n_samples
             assert per_seq_values == int(per_seq_values) and per_seq_values <= 12, (name, r["calls"])
 
 
