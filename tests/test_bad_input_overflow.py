@@ -227,8 +227,8 @@ REJECT = {n: _with(c, on_nonfinite="reject") for n, c in CONFIGS.items()}
 
 
 def _rejected_like_masked(name, key, value):
-    """The loss with ``key[TOKEN] = value`` under 'reject' vs the loss of the same batch with that token's
-    ``loss_mask`` 0 (a masked token and a rejected one: both leave the loss)."""
+    """The loss with ``key[TOKEN] = value`` under 'reject': finite, the token without gradient, other tokens with
+    (the callers compare with the batch whose sequence holding TOKEN is masked: reject drops the whole sequence)."""
     cfg = _with(REJECT[name], loss_agg="token_mean")
     inputs = _inputs()
     inputs[key] = inputs[key].clone()
@@ -246,7 +246,7 @@ def test_reject_mode_rejects_and_counts_a_nonfinite_advantage(name, value):
     loss, grad, metrics = _rejected_like_masked(name, "advantages", value)
     assert float(metrics["pg_nonfinite_tokens"]) == 1.0
     masked = _inputs()
-    masked["loss_mask"] = torch.tensor([1., 1, 1, 1, 1, 0, 1, 1])
+    masked["loss_mask"] = torch.tensor([1., 1, 1, 0, 0, 0, 0, 0])  # its whole sequence (tokens 3-7) leaves the loss
     ref_loss, ref_grad, _ = _call(_with(REJECT[name], loss_agg="token_mean"), masked)
     assert float(loss) == pytest.approx(float(ref_loss), rel=1e-6)
     torch.testing.assert_close(grad, ref_grad)

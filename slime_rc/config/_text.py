@@ -78,18 +78,24 @@ def parse_number(what: str, value: Any) -> Any:
         raise ValueError(f"{what}={value!r} is not a number") from None
 
 
+def band_refusal(given: str, name: str, value: str, hint: str) -> str:
+    """The one message for a ``'lower_upper'`` band given to a setting that takes one number: ``given`` is how the
+    user wrote it (``tis_upper_bound='0.5_5'`` in a mapping, ``--tis-upper-bound 0.5_5`` on the command line),
+    ``name`` the setting or flag, ``hint`` the fix."""
+    lower, _, upper = value.strip().partition("_")
+    return (f"{given} is a 'lower_upper' band (lower {lower}, upper {upper}), but {name} takes one number "
+            f"(underscores never group digits here): write a single number without an underscore; {hint}")
+
+
 def refuse_band(name: str, value: Any, hint: str) -> None:
     """``ValueError`` when ``value`` is text with an underscore (``'0.5_5'``) for a setting that takes one number.
 
     Underscores never group digits here (Python's ``float('0.5_5')`` and YAML 1.1 read 0.55): such text is a
     ``'lower_upper'`` band, which only the threshold settings take (``rs_upper_bound``, verl's
     ``rollout_is_threshold`` / ``rollout_rs_threshold``; :func:`split_threshold`).  The message names the setting,
-    the value and the fix (``hint``)."""
+    the value and the fix (``hint``): :func:`band_refusal`, as the command line's flags say it."""
     if isinstance(value, str) and "_" in value:
-        lower, _, upper = value.strip().partition("_")
-        raise ValueError(f"{name}={value!r} is a 'lower_upper' band (lower {lower}, upper {upper}), but {name} takes "
-                         f"one number (underscores never group digits here): write a single number without an "
-                         f"underscore; {hint}")
+        raise ValueError(band_refusal(f"{name}={value!r}", name, value, hint))
 
 
 def positive_finite(name: str, value: Any, hint: str) -> float:

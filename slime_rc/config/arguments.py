@@ -25,7 +25,9 @@ import sys
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
-from slime_rc.config.knobs import ALL_FLAGS, KNOB_FLAGS, LAUNCH_FLAGS, Flag, dest_of
+from slime_rc.config._text import band_refusal
+from slime_rc.config.knobs import ALL_FLAGS, BAND_SPELLINGS, KNOB, KNOB_FLAGS, LAUNCH_FLAGS, Flag, dest_of, integer, \
+    number
 from slime_rc.config.resolution import KINDS, SLIME_KINDS, Layer, Resolution, preset_layer, resolve
 from slime_rc.config.schema import RolloutCorrectionConfig
 from slime_rc.config.yaml_config import load_yaml_layer
@@ -40,13 +42,41 @@ def _argparse_kwargs(flag: Flag) -> Dict[str, Any]:
     if flag.choices:
         kwargs["choices"] = flag.choices
     if flag.parse:
-        kwargs["type"] = _type(flag.parse, flag.dest)
+        kwargs["type"] = _type(flag.parse, flag.dest, flag if takes_one_number(flag) else None)
     return kwargs
 
 
-def _type(parse, name: str):
-    """``parse`` as an argparse type: its ValueError message becomes argparse's (exit status 2, the flag named)."""
+def takes_one_number(flag: Flag) -> bool:
+    """Whether ``flag`` takes one number, so that text with an underscore given to it is a ``'lower_upper'`` band
+    it refuses (:func:`band_hint`); the band flags (``--rs-upper-bound``: :data:`~slime_rc.config.knobs.BAND_SPELLINGS`)
+    read bands."""
+    return (flag.knob is not None and KNOB[flag.knob].parse in (number, integer)
+            and flag.sets not in BAND_SPELLINGS)
+
+
+def band_hint(flag: Flag, text: str) -> str:
+    """The fix for the band ``text`` given to the one-number ``flag``."""
+    lower, _, upper = text.strip().partition("_")
+    if flag.knob in ("tis_upper_bound", "tis_lower_bound"):
+        return (f"an IS band is two flags: --tis-lower-bound {lower} --tis-upper-bound {upper} (with --tis-mode "
+                f"mask to reject weights outside it, or clip to clamp them into it)")
+    if flag.knob == "rs_lower_bound":
+        return f"a rejection band goes into the threshold: --rs-upper-bound {text.strip()}"
+    if flag.knob in ("eps_clip", "eps_clip_high"):
+        return ("the PPO clip range [1 - eps_clip, 1 + eps_clip_high] is two flags, e.g. --eps-clip 0.2 "
+                "--eps-clip-high 0.28")
+    example = {"rs_veto_threshold": "1e-4", "eps_clip_c": "3.0"}.get(flag.knob, KNOB[flag.knob].default)
+    return f"e.g. {flag.flag} {example}"
+
+
+def _type(parse, name: str, one_number: Optional[Flag] = None):
+    """``parse`` as an argparse type: its ValueError message becomes argparse's (exit status 2, the flag named).
+    ``one_number``: the flag, when it takes one number: text with an underscore is refused as a band, in the words
+    the YAML path uses (:func:`slime_rc.config._text.band_refusal`), naming the flag as typed."""
     def read(text: str) -> Any:
+        if one_number is not None and "_" in text:
+            raise argparse.ArgumentTypeError(band_refusal(f"{one_number.flag} {text}", one_number.flag, text,
+                                                          band_hint(one_number, text)))
         try:
             return parse(text)
         except ValueError as e:
