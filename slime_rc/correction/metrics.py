@@ -20,9 +20,10 @@ import torch
 from slime_rc.config.schema import RolloutCorrectionConfig
 from slime_rc.correction.packed import sum64, sum_sq64, upload
 from slime_rc.correction.quantiles import QUANTILES, histogram, quantiles_from_histogram
-from slime_rc.correction.records import (BatchTotals, CriterionTotals, Extremes, PackedBatch, SequenceDecisions,
-                                         SequenceExtremes, SequenceStats, SequenceTotals, SequenceWeightTotals,
-                                         TokenStats, TokenTotals, TokenWeights, TokenWeightTotals, leaves, with_leaves)
+from slime_rc.correction.records import (BatchTotals, CriterionTotals, Extremes, PackedBatch, RsExtremes,
+                                         RsSequenceTotals, RsTokenTotals, SequenceDecisions, SequenceExtremes,
+                                         SequenceStats, SequenceTotals, SequenceWeightTotals, TokenStats, TokenTotals,
+                                         TokenWeights, TokenWeightTotals, leaves, with_leaves)
 from slime_rc.correction.reducer import LocalReducer
 from slime_rc.correction.weights import outside_flag
 
@@ -81,6 +82,33 @@ METRICS = {
     "rollout_rs_seq_masked_fraction": ("RS on", "fraction of sequences that lost >= 1 token to RS"),
     "rollout_rs_<option>_masked_fraction": ("RS on", "fraction of valid tokens rejected by that criterion"),
     "rollout_rs_<option>_seq_masked_fraction": ("RS on", "fraction of sequences that lost >= 1 token to it"),
+    # verl's per-option statistics (rollout_corr_helper.compute_rs_metrics) of the criterion's statistic s: log r
+    # for k1 (unclamped, as tested; verl's k1 is -log r), k2/k3 as the criterion computes them.  Token criteria:
+    # s_t per valid token, v_i = the sequence's mean s_t; sequence criteria: v_i the tested per-sequence value,
+    # which every valid token of the sequence carries in the token statistics.
+    "rollout_rs_<option>_mean": ("RS on", "token mean of s (sequence criteria: of v_i, each sequence weighted by "
+                                          "its valid tokens)"),
+    "rollout_rs_<option>_max": ("RS on", "max of s over valid tokens (sequence criteria: of v_i over valid "
+                                         "sequences)"),
+    "rollout_rs_<option>_min": ("RS on", "min of s over valid tokens (sequence criteria: of v_i over valid "
+                                         "sequences)"),
+    "rollout_rs_<option>_std": ("RS on", "token standard deviation (divide by n) of s clamped into the criterion's "
+                                         "band [lower, upper] ([0, upper] for k2/k3); 0 for < 2 valid tokens"),
+    "rollout_rs_<option>_fraction_high": ("RS on", "fraction of valid tokens with s above the upper bound "
+                                                   "(sequence criteria: of valid sequences with v_i above it)"),
+    "rollout_rs_<option>_fraction_low": ("RS on, k1 options", "fraction of valid tokens with s below the lower "
+                                                              "bound (sequence criteria: of valid sequences)"),
+    "rollout_rs_<option>_seq_mean": ("RS on", "mean over valid sequences of v_i"),
+    "rollout_rs_<option>_seq_std": ("RS on", "standard deviation over valid sequences of v_i (divide by n - 1, "
+                                             "as verl's torch.std); 0 for < 2 sequences"),
+    "rollout_rs_<option>_seq_max": ("RS on", "max over valid sequences of v_i"),
+    "rollout_rs_<option>_seq_min": ("RS on", "min over valid sequences of v_i"),
+    "rollout_rs_<option>_seq_max_deviation": ("RS on", "max over valid sequences of |v_i| (deviation from the "
+                                                       "ideal 0)"),
+    "rollout_rs_<option>_seq_fraction_high": ("RS on", "fraction of valid sequences with v_i above the upper "
+                                                       "bound"),
+    "rollout_rs_<option>_seq_fraction_low": ("RS on, k1 options", "fraction of valid sequences with v_i below the "
+                                                                  "lower bound"),
     # veto
     "rollout_is_veto_fraction": ("veto on", "fraction of sequences vetoed (some token ratio < veto threshold)"),
     "rollout_is_catastrophic_token_fraction": ("veto on", "fraction of valid tokens with ratio < veto threshold"),
@@ -111,6 +139,7 @@ def batch_totals(batch: PackedBatch, tokens: TokenStats, seqs: SequenceStats, de
     weight_totals, hist, (raw_max, raw_neg_min) = (None, None, (None, None))
     if config.is_enabled:
         weight_totals, hist, (raw_max, raw_neg_min) = _is_token_totals(tokens, seqs, decisions, kept, config, n_invalid)
+    rs_token_stats, rs_token_extremes = _rs_token_totals(tokens, local, config)
     token = TokenTotals(
         valid=local.valid_tokens, loss=local.valid_tokens + local.nonfinite_tokens, kept=kept_tokens,
         log_ratio_sum=local.log_ratio, abs_log_ratio_sum=sum64(tokens.log_ratio.abs()),
@@ -124,6 +153,7 @@ def batch_totals(batch: PackedBatch, tokens: TokenStats, seqs: SequenceStats, de
         is_mask=local.is_mask_tokens,
         malformed=malformed,
         weights=weight_totals,
+        rs_stats=rs_token_stats,
     )
     terms, extreme_columns = _sequence_terms(seqs, decisions, config)
     columns = leaves(extreme_columns)
@@ -132,7 +162,7 @@ def batch_totals(batch: PackedBatch, tokens: TokenStats, seqs: SequenceStats, de
     else:
         maxima = torch.full((len(columns),), -math.inf, dtype=torch.float64, device=batch.device).unbind()
     extremes = Extremes(token_raw_max=raw_max, token_raw_neg_min=raw_neg_min,
-                        sequences=with_leaves(extreme_columns, maxima))
+                        sequences=with_leaves(extreme_columns, maxima), rs_tokens=rs_token_extremes)
     return _reduce(token, hist, terms, extremes, reducer, batch, config)
 
 
@@ -179,6 +209,46 @@ def _is_token_totals(tokens: TokenStats, seqs: SequenceStats, decisions: Sequenc
 _FAR = 1e30
 
 
+def _band(c) -> Tuple[float, float]:
+    """The band verl clamps an RS statistic into for its ``_std``: ``[lo, hi]`` of a k1 criterion (log-ratio
+    space), ``[0, upper]`` for k2/k3 (a divergence has no lower bound)."""
+    lo, hi = c.log_bounds
+    return (0.0 if lo == -math.inf else lo), hi
+
+
+def _rs_token_totals(tokens: TokenStats, local, config: RolloutCorrectionConfig):
+    """Token-level RS criteria: option -> :class:`RsTokenTotals` (this rank's sums over valid tokens) and option ->
+    :class:`RsExtremes` (max of ``s_t`` and of ``-s_t`` over valid tokens, -inf when there are none).  ``local``:
+    this rank's :class:`SequenceSums` summed over its sequences (its token sums of ``log r`` and of k2/k3)."""
+    totals: Dict[str, RsTokenTotals] = {}
+    extremes: Dict[str, RsExtremes] = {}
+    valid, off = tokens.valid, None
+    for c in config.rs:
+        if c.granularity != "token":
+            continue
+        k1 = c.statistic == "k1"
+        # the statistic the criterion tests (0 on invalid tokens): log r unclamped for k1, k2/k3 otherwise
+        stat = tokens.log_ratio if k1 else tokens.k_sum_terms[c.option]
+        lo, hi = _band(c)
+        band = stat.clamp(lo, hi)
+        if lo > 0 or hi < 0:  # 0 (an invalid token) lies outside the band: clamping moved it, put it back
+            band = band * valid
+        totals[c.option] = RsTokenTotals(
+            stat_sum=local.log_ratio if k1 else local.k_sums[c.option],
+            band_sum=sum64(band), band_sq_sum=sum_sq64(band),
+            above=sum64(outside_flag(stat, -math.inf, hi, valid)) if k1 else None)
+        if stat.numel():
+            # exact extremes of the valid tokens (k1's log r is unclamped: no finite offset is safely far below it)
+            if off is None:  # 0 on valid tokens, -inf on the others (shared by the criteria)
+                off = torch.where(valid > 0, 0.0, -math.inf).to(stat.dtype)
+            top, neg_bottom = (stat + off).max(), (off - stat).max()
+            extremes[c.option] = RsExtremes(top.double(), neg_bottom.double(), None)
+        else:  # no tokens on this rank (a shape, not a value: no read)
+            top, neg_bottom = torch.full((2,), -math.inf, dtype=torch.float64, device=stat.device).unbind()
+            extremes[c.option] = RsExtremes(top, neg_bottom, None)
+    return totals, extremes
+
+
 def _sequence_terms(seqs: SequenceStats, decisions: SequenceDecisions, config: RolloutCorrectionConfig):
     """``[B]`` per-sequence terms: the :class:`SequenceTotals` summands and the :class:`SequenceExtremes` columns."""
     sums, has_tokens, bound = seqs.sums, seqs.has_tokens, config.safety_bound
@@ -205,6 +275,7 @@ def _sequence_terms(seqs: SequenceStats, decisions: SequenceDecisions, config: R
             kept_sum=torch.where(decisions.kept, w, 0.0) if seq_level else None,
             weight=w * has_tokens, weight_sq=w * w * has_tokens,
             above=has_tokens & (raw > log_hi), below=has_tokens & (raw < log_lo))
+    rs_stats, rs_extremes = _rs_sequence_terms(seqs, decisions, config)
     terms = SequenceTotals(
         nonfinite=decisions.nonfinite,
         veto=decisions.vetoed,
@@ -226,13 +297,39 @@ def _sequence_terms(seqs: SequenceStats, decisions: SequenceDecisions, config: R
         ppl_ratio=torch.exp(log_ppl_diff.clamp(-bound, bound)) * has_tokens,
         seq_ratio_sq=torch.exp(2 * sums.log_ratio.clamp(-bound, bound)) * has_tokens,
         weights=weights,
+        rs_stats=rs_stats,
     )
     seq_raw = raw if seq_level else None
     extreme_columns = SequenceExtremes(
         log_ppl_diff_max=log_ppl_diff, log_ppl_diff_neg_min=-log_ppl_diff,
         raw_max=seq_raw, raw_neg_min=None if seq_raw is None else -seq_raw,
-        weight_max=w, weight_neg_min=None if w is None else -w, weight_max_dev=None if w is None else (w - 1).abs())
+        weight_max=w, weight_neg_min=None if w is None else -w, weight_max_dev=None if w is None else (w - 1).abs(),
+        rs_stats=rs_extremes)
     return terms, extreme_columns
+
+
+def _rs_sequence_terms(seqs: SequenceStats, decisions: SequenceDecisions, config: RolloutCorrectionConfig):
+    """Every RS criterion's ``[B]`` terms of its per-sequence statistic ``v_i`` (``decisions.rs_values``, 0 on
+    sequences without valid tokens): option -> :class:`RsSequenceTotals` summands (valid sequences; the token-
+    weighted ones for sequence criteria, with the global token counts ``n_i``) and option -> :class:`RsExtremes`
+    columns (``v_i``, ``-v_i``, ``|v_i|``; batch_totals leaves out the sequences without valid tokens)."""
+    has_tokens, n = seqs.has_tokens, seqs.sums.valid_tokens
+    totals: Dict[str, RsSequenceTotals] = {}
+    extremes: Dict[str, RsExtremes] = {}
+    for c in config.rs:
+        v = decisions.rs_values[c.option]
+        lo, hi = c.log_bounds
+        token_sum = band_sum = band_sq_sum = None
+        if c.granularity == "sequence":
+            # verl gives each token its sequence's value: token-weighted sums (n_i = 0 off the valid sequences)
+            band = v.clamp(*_band(c))
+            token_sum, band_sum, band_sq_sum = n * v, n * band, n * band * band
+        totals[c.option] = RsSequenceTotals(
+            value=v, value_sq=v * v,  # v = 0 on sequences without valid tokens
+            above=has_tokens & (v > hi), below=has_tokens & (v < lo) if c.statistic == "k1" else None,
+            token_sum=token_sum, band_sum=band_sum, band_sq_sum=band_sq_sum)
+        extremes[c.option] = RsExtremes(v, -v, v.abs())
+    return totals, extremes
 
 
 def _pack(values: List[torch.Tensor], device) -> torch.Tensor:
@@ -360,9 +457,21 @@ class _MetricPlan:
                 count = count if count is not None else seq.rs_criteria[c.option].tokens
                 ratios[name + "_masked_fraction"] = (P(count), tokens, 0.0)
                 ratios[name + "_seq_masked_fraction"] = (P(seq.rs_criteria[c.option].seqs), all_seqs, 0.0)
+                _rs_statistics(name, c, t, ratios, extremes, tokens, seqs)
         if config.veto_threshold is not None:
             ratios["rollout_is_veto_fraction"] = (P(seq.veto), all_seqs, 0.0)
             ratios["rollout_is_catastrophic_token_fraction"] = (P(tok.veto), tokens, 0.0)
+
+        # RS standard deviations: (name, names of the mean, the mean square, the max and the min of the values,
+        # count's position, n/(n-1) or not, the band the values are clamped into)
+        rs_stds = []
+        for c in config.rs:
+            o = f"rollout_rs_{c.option}"
+            rs_stds += [(o + "_std", f"_{o}_std_m1", f"_{o}_std_m2", o + "_max", o + "_min", tok.valid, 0.0,
+                         _band(c)),
+                        (o + "_seq_std", o + "_seq_mean", f"_{o}_seq_std_m2", o + "_seq_max", o + "_seq_min",
+                         seq.valid, 1.0, (-math.inf, math.inf))]
+        rs_stds = list({r[0]: r for r in rs_stds}.values())  # an option given twice: once
 
         k, m = t.sums.numel(), len(ratios)
         matrix = [[0.0] * k for _ in range(2 * m)]
@@ -386,6 +495,14 @@ class _MetricPlan:
                       "rollout_is_max"] + [f"rollout_is_p{round(q * 100)}" for q in QUANTILES]
             if config.is_batch_normalize:
                 names.append("rollout_is_batch_norm_factor")
+        self.rs_moments = self.rs_count = self.rs_unbiased = self.rs_band = None
+        if rs_stds:
+            self.rs_moments = upload([[names.index(r[i]) for r in rs_stds] for i in (1, 2, 3, 4)], torch.int64,
+                                     device)
+            self.rs_count = upload([r[5] for r in rs_stds], torch.int64, device)
+            self.rs_unbiased = upload([r[6] for r in rs_stds], torch.float64, device)
+            self.rs_band = upload([[r[7][0] for r in rs_stds], [r[7][1] for r in rs_stds]], torch.float64, device)
+            names += [r[0] for r in rs_stds]
         position = {name: i for i, name in enumerate(names)}
         self.names = [name for name in _order(config) if name in position]
         self.order = upload([position[name] for name in self.names], torch.int64, device)
@@ -419,8 +536,8 @@ def finish_metrics(t: BatchTotals, config: RolloutCorrectionConfig,
     quotients = torch.where(some, num / torch.where(some, den, 1.0) + plan.offset, 0.0)
     ext = t.maxes[plan.ext_index] * plan.ext_sign
     parts = [quotients, torch.where(ext.isfinite(), ext, 0.0)]
+    flat = torch.cat(parts) if plan.is_enabled or plan.rs_moments is not None else None
     if plan.is_enabled:
-        flat = torch.cat(parts)
         mean, mean_sq = flat[plan.pairs]  # [2]: token level, sequence level
         parts.append((mean_sq - mean * mean).clamp(min=0.0).sqrt())
         parts.append(torch.where(mean_sq[:1] > 0, mean[:1] * mean[:1] / mean_sq[:1].clamp(min=1e-300), 0.0))
@@ -430,17 +547,70 @@ def finish_metrics(t: BatchTotals, config: RolloutCorrectionConfig,
         parts.append(torch.where(t.sums[plan.valid] > 0, logs.exp(), 0.0))
         if norm is not None:
             parts.append(norm.reshape(1).to(torch.float64))
+    if plan.rs_moments is not None:
+        # RS standard deviations from the first two moments; over n sequences verl's torch.std divides by n - 1
+        mean, mean_sq, top, bottom = flat[plan.rs_moments]  # [R] each
+        n = t.sums[plan.rs_count]
+        bessel = 1.0 + plan.rs_unbiased / (n - 1.0).clamp(min=1.0)  # n / (n - 1) where unbiased, else 1
+        var = (mean_sq - mean * mean).clamp(min=0.0) * bessel
+        # values that are all equal (their clamped extremes are) have std 0 exactly, not the rounding of
+        # E[x^2] - E[x]^2 (~1e-8 |x| after the sqrt, which would also depend on the summation order)
+        lo, hi = plan.rs_band
+        spread = torch.minimum(torch.maximum(top, lo), hi) != torch.minimum(torch.maximum(bottom, lo), hi)
+        parts.append(torch.where((n > 1) & spread, var.sqrt(), 0.0))  # verl: 0 below two values
     return plan.names, torch.cat(parts)[plan.order]
 
 
+_PER_OPTION = [name.replace("<option>", "{}") for name in METRICS if "<option>" in name]
+
+
 def _order(config: RolloutCorrectionConfig) -> List[str]:
-    """Metric names in the order of :data:`METRICS`, each RS option's two names together in ``config.rs`` order
-    (an option given twice keeps its first place)."""
+    """Metric names in the order of :data:`METRICS`, each RS option's names together in ``config.rs`` order
+    (an option given twice keeps its first place); names a config does not report are dropped by the plan."""
     names = []
     for name in METRICS:
         if name == "rollout_rs_<option>_masked_fraction":
             for c in config.rs:
-                names += [f"rollout_rs_{c.option}_masked_fraction", f"rollout_rs_{c.option}_seq_masked_fraction"]
+                names += [template.format(c.option) for template in _PER_OPTION]
         elif "<option>" not in name:
             names.append(name)
     return list(dict.fromkeys(names))
+
+
+def _rs_statistics(name: str, c, t: BatchTotals, ratios: dict, extremes: dict, tokens: _Linear,
+                   seqs: _Linear) -> None:
+    """Adds criterion ``c``'s verl statistics (see :data:`METRICS`) to the plan's ``ratios`` and ``extremes``;
+    ``tokens`` / ``seqs``: the valid tokens / sequences.  ``_*_m1`` / ``_*_m2``: the moments behind the stds."""
+    P = _Linear.of
+    tok, seq = t.tokens, t.seqs
+    sq, sx = seq.rs_stats[c.option], t.extremes.sequences.rs_stats[c.option]
+    k1 = c.statistic == "k1"
+    if c.granularity == "token":
+        st, tx = tok.rs_stats[c.option], t.extremes.rs_tokens[c.option]
+        rejected = P(tok.rs_criteria[c.option])  # above + below: the two tests are disjoint
+        above = P(st.above) if k1 else rejected  # k2/k3: nothing lies below a divergence's 0
+        ratios[name + "_mean"] = (P(st.stat_sum), tokens, 0.0)
+        ratios[f"_{name}_std_m1"] = (P(st.band_sum), tokens, 0.0)
+        ratios[f"_{name}_std_m2"] = (P(st.band_sq_sum), tokens, 0.0)
+        ratios[name + "_fraction_high"] = (above, tokens, 0.0)
+        if k1:
+            ratios[name + "_fraction_low"] = (rejected - above, tokens, 0.0)
+        extremes[name + "_max"] = (tx.max, 1.0)
+        extremes[name + "_min"] = (tx.neg_min, -1.0)
+    else:  # the per-sequence value stands for each of its tokens; extremes and fractions are per sequence
+        ratios[name + "_mean"] = (P(sq.token_sum), tokens, 0.0)
+        ratios[f"_{name}_std_m1"] = (P(sq.band_sum), tokens, 0.0)
+        ratios[f"_{name}_std_m2"] = (P(sq.band_sq_sum), tokens, 0.0)
+        ratios[name + "_fraction_high"] = (P(sq.above), seqs, 0.0)
+        if k1:
+            ratios[name + "_fraction_low"] = (P(sq.below), seqs, 0.0)
+        extremes[name + "_max"] = (sx.max, 1.0)
+        extremes[name + "_min"] = (sx.neg_min, -1.0)
+    ratios[name + "_seq_mean"] = (P(sq.value), seqs, 0.0)
+    ratios[f"_{name}_seq_std_m2"] = (P(sq.value_sq), seqs, 0.0)
+    ratios[name + "_seq_fraction_high"] = (P(sq.above), seqs, 0.0)
+    if k1:
+        ratios[name + "_seq_fraction_low"] = (P(sq.below), seqs, 0.0)
+    extremes[name + "_seq_max"] = (sx.max, 1.0)
+    extremes[name + "_seq_min"] = (sx.neg_min, -1.0)
+    extremes[name + "_seq_max_deviation"] = (sx.abs_max, 1.0)

@@ -144,7 +144,8 @@ class TokenStats:
     ``is_weight``: ``[N]`` float32 bounded token IS weight ``weights.bounded_weight(ratio)`` on valid tokens, 0 on
         invalid ones (token-level IS only, else None); the keep mask is applied in stage 4.
     ``k_sum_terms``: option -> ``[N]`` float32 per-token k2/k3 (0 on invalid tokens) of each sequence criterion that
-        sums or averages it; ``k_max_terms``: the same with -inf on invalid tokens for the criteria that take the max.
+        sums or averages it and of each token k2/k3 criterion (its per-sequence mean is a metric); ``k_max_terms``:
+        the same with -inf on invalid tokens for the criteria that take the max.
     ``counts``: the flag tensors above (``packed.segment_sums`` sums them as counts, exactly in float32).
     """
 
@@ -180,7 +181,8 @@ class SequenceSums:
     below the veto threshold.  ``rs_token_rejections``: option -> tokens rejected by that token-level criterion.
     ``is_mask_tokens``: tokens rejected by token-level mask mode.  ``rs_token_rejected``: tokens rejected by any
     token-level RS criterion.  ``token_rejected``: tokens rejected by any token-level rule.  ``is_weight``: sum of
-    bounded token IS weights (token-level IS).  ``k_sums``: option -> sum of k2/k3 (sequence criteria, sum/mean).
+    bounded token IS weights (token-level IS).  ``k_sums``: option -> sum of k2/k3 (sequence criteria, sum/mean,
+    and token k2/k3 criteria).
     """
 
     valid_tokens: torch.Tensor
@@ -228,7 +230,10 @@ class SequenceDecisions:
     ``nonfinite``: bool, has a loss token with a NaN/inf log-prob.  ``vetoed``: bool, has a token below the veto
     threshold (None without veto).  ``rs_flags``: option -> bool, lost >= 1 token to that criterion (whole
     sequence for a sequence criterion).  ``rs_dropped``: bool, rejected whole by a sequence RS criterion.
-    ``rs_any``: bool, lost >= 1 token to RS.  ``is_mask``: bool, lost tokens to IS mask mode (None unless mask mode).
+    ``rs_any``: bool, lost >= 1 token to RS.  ``rs_values``: option -> float64 the criterion's per-sequence
+    statistic (the value a sequence criterion tests; for a token criterion the sequence's mean token statistic),
+    0 on sequences without valid tokens (the RS statistics metrics).
+    ``is_mask``: bool, lost tokens to IS mask mode (None unless mask mode).
     ``raw_log_ratio``: float64 log of the raw (unbounded) sequence ratio the IS level reports: ``S`` at sequence
     level, ``S / T`` at geometric and token level; None when IS is off.
     ``is_weight``: float64 bounded sequence IS weight ``bounded_weight(exp(clamp(raw_log_ratio)))`` that stage 4
@@ -244,6 +249,7 @@ class SequenceDecisions:
     rs_flags: Dict[str, torch.Tensor]
     rs_dropped: torch.Tensor
     rs_any: torch.Tensor
+    rs_values: Dict[str, torch.Tensor]
     is_mask: Optional[torch.Tensor]
     raw_log_ratio: Optional[torch.Tensor]
     is_weight: Optional[torch.Tensor]
@@ -275,6 +281,20 @@ class TokenWeightTotals:
 
 
 @dataclass
+class RsTokenTotals:
+    """One token-level RS criterion's statistic ``s_t`` (its per-token statistic: ``log r`` unclamped for k1,
+    k2/k3 on the clamped ``log r``) over valid tokens, for verl's ``rollout_rs_<option>_*`` statistics:
+    ``stat_sum`` sum of ``s_t``; ``band_sum`` / ``band_sq_sum`` sums of ``c_t`` / ``c_t^2`` with ``c_t`` = ``s_t``
+    clamped into the criterion's band ``[lo, hi]`` (lo = 0 for k2/k3: verl's ``_std``); ``above`` tokens with
+    ``s_t > hi`` (k1 only: for k2/k3 they are the criterion's rejections, counted in ``TokenTotals.rs_criteria``)."""
+
+    stat_sum: Number
+    band_sum: Number
+    band_sq_sum: Number
+    above: Optional[Number]
+
+
+@dataclass
 class TokenTotals:
     """Sums over tokens: each rank counts its own tokens, collective 2 (SUM over the batch group) adds them up.
 
@@ -284,7 +304,7 @@ class TokenTotals:
     holding ``r = 1`` (see the properties).  ``nonfinite``, ``veto``, ``rs_criteria`` (option -> count, token-level
     criteria), ``is_mask`` (token-level mask mode): tokens flagged by each rule.  ``malformed``: non-zero on a rank
     whose ``cu_seqlens`` / ``loss_mask`` values are malformed (summed so that every rank raises together).
-    ``weights``: IS on only.
+    ``weights``: IS on only.  ``rs_stats``: option -> :class:`RsTokenTotals` (token-level RS criteria).
     """
 
     valid: Number
@@ -302,6 +322,7 @@ class TokenTotals:
     is_mask: Optional[Number]
     malformed: Number
     weights: Optional[TokenWeightTotals]
+    rs_stats: Dict[str, RsTokenTotals]
 
     @property
     def ratio_sum(self) -> Number:
@@ -320,6 +341,23 @@ class CriterionTotals:
 
     tokens: Optional[Number]
     seqs: Number
+
+
+@dataclass
+class RsSequenceTotals:
+    """One RS criterion's per-sequence statistic ``v_i`` (``SequenceDecisions.rs_values``) over valid sequences, for
+    verl's ``rollout_rs_<option>_*`` statistics: ``value`` / ``value_sq`` sums of ``v_i`` / ``v_i^2``; ``above`` /
+    ``below`` sequences with ``v_i > hi`` / ``v_i < lo`` (``below``: k1 only).  Sequence criteria only (else None):
+    ``token_sum`` ``n_i v_i``, ``band_sum`` / ``band_sq_sum`` ``n_i c_i`` / ``n_i c_i^2`` with ``n_i`` the valid
+    tokens and ``c_i`` = ``v_i`` clamped into the band (verl spreads the sequence value over its tokens)."""
+
+    value: Number
+    value_sq: Number
+    above: Number
+    below: Optional[Number]
+    token_sum: Optional[Number]
+    band_sum: Optional[Number]
+    band_sq_sum: Optional[Number]
 
 
 @dataclass
@@ -349,6 +387,7 @@ class SequenceTotals:
     ``m_t, m_r`` the mean log pi_train / pi_rollout of a sequence and ``d = m_r - m_t``: ``train_log_ppl = -m_t``,
     ``train_ppl = exp(-m_t)``, ``rollout_log_ppl``, ``rollout_ppl`` the same for ``m_r``, ``log_ppl_diff = d``,
     ``log_ppl_abs_diff = |d|``, ``ppl_ratio = exp(d)``, ``seq_ratio_sq = exp(2 S)`` (each over valid sequences).
+    ``rs_stats``: option -> :class:`RsSequenceTotals` (every RS criterion).
     """
 
     nonfinite: Number
@@ -371,6 +410,17 @@ class SequenceTotals:
     ppl_ratio: Number
     seq_ratio_sq: Number
     weights: Optional[SequenceWeightTotals]
+    rs_stats: Dict[str, RsSequenceTotals]
+
+
+@dataclass
+class RsExtremes:
+    """Maxima of one RS criterion's statistic: ``max`` of it, ``neg_min`` of its negation, ``abs_max`` of its
+    absolute value (per-sequence ``v_i`` only: verl's ``_seq_max_deviation``; None for the token extremes)."""
+
+    max: Number
+    neg_min: Number
+    abs_max: Optional[Number]
 
 
 @dataclass
@@ -380,6 +430,7 @@ class SequenceExtremes:
 
     ``log_ppl_diff_*``: of ``d``.  ``raw_*``: of the raw sequence log-ratio (sequence/geometric IS only).
     ``weight_max``, ``weight_neg_min``, ``weight_max_dev``: of ``w_i``, ``-w_i`` and ``|w_i - 1|`` (IS on).
+    ``rs_stats``: option -> :class:`RsExtremes` of the criterion's per-sequence statistic ``v_i``.
     """
 
     log_ppl_diff_max: Number
@@ -389,6 +440,7 @@ class SequenceExtremes:
     weight_max: Optional[Number]
     weight_neg_min: Optional[Number]
     weight_max_dev: Optional[Number]
+    rs_stats: Dict[str, RsExtremes]
 
 
 @dataclass
@@ -396,12 +448,14 @@ class Extremes:
     """Batch maxima, collective 3 (MAX over the batch group); an empty local set contributes -inf.
 
     ``token_raw_max`` / ``token_raw_neg_min``: max of ``clamp(log r)`` / of its negation over valid tokens
-    (token-level IS only).  ``sequences``: the per-sequence extremes.
+    (token-level IS only).  ``sequences``: the per-sequence extremes.  ``rs_tokens``: option ->
+    :class:`RsExtremes` of a token-level RS criterion's per-token statistic over valid tokens.
     """
 
     token_raw_max: Optional[Number]
     token_raw_neg_min: Optional[Number]
     sequences: SequenceExtremes
+    rs_tokens: Dict[str, RsExtremes]
 
     @property
     def raw_max(self) -> Optional[Number]:

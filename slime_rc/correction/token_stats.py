@@ -80,11 +80,13 @@ def token_statistics(batch: PackedBatch, config: RolloutCorrectionConfig) -> Tok
         rejected = _union([f for _, f in rs_flags] + mask_flags)
         keep = valid - rejected  # every flag is of valid tokens
 
-    # per-token divergences of the sequence RS criteria that need them (aggregated per sequence in stage 2)
+    # per-token divergences that stage 2 aggregates per sequence: those of the sequence RS criteria, and those of
+    # the token k2/k3 criteria, whose per-sequence mean is a metric (verl's rollout_rs_<option>_seq_*; for token k1
+    # it is S / T, already there).  A divergence shared by several criteria is one tensor, summed once.
     k_sum_terms: Dict[str, torch.Tensor] = {}
     k_max_terms: Dict[str, torch.Tensor] = {}
     for c in config.rs:
-        if c.granularity == "sequence" and c.statistic != "k1":
+        if c.statistic != "k1":
             if c.aggregate == "max":
                 k_max_terms[c.option] = torch.where(valid > 0, k_of(c.statistic), -math.inf)
             else:

@@ -75,12 +75,14 @@ def sequence_decisions(seqs: SequenceStats, config: RolloutCorrectionConfig) -> 
         vetoed = sums.veto_tokens > 0
         drop |= vetoed
 
-    rs_flags = {}
+    rs_flags, rs_values = {}, {}
     rs_dropped = torch.zeros_like(drop)
     rs_any = torch.zeros_like(drop)
     for c in config.rs:
         if c.granularity == "token":
             flags = sums.rs_token_rejections[c.option] > 0  # sequences that lost at least one token to it
+            # the sequence's mean token statistic (a metric only): S / T for k1, mean k2/k3 otherwise
+            stat = seqs.log_ratio_mean if c.statistic == "k1" else sums.k_sums[c.option] / n_safe
         else:
             if c.statistic == "k1":
                 stat = sums.log_ratio if c.aggregate == "sum" else seqs.log_ratio_mean
@@ -91,6 +93,7 @@ def sequence_decisions(seqs: SequenceStats, config: RolloutCorrectionConfig) -> 
             flags = has_tokens & outside(stat, *c.log_bounds)
             rs_dropped |= flags
         rs_flags[c.option] = flags
+        rs_values[c.option] = torch.where(has_tokens, stat, 0.0)  # a max over no token is -inf: 0 instead
         rs_any |= flags
     if config.rs:
         drop |= rs_dropped
@@ -111,7 +114,7 @@ def sequence_decisions(seqs: SequenceStats, config: RolloutCorrectionConfig) -> 
     kept_tokens = sums.valid_tokens - sums.token_rejected if sums.token_rejected is not None else sums.valid_tokens
     kept = has_tokens & ~drop & (kept_tokens > 0)
     return SequenceDecisions(nonfinite=nonfinite, vetoed=vetoed, rs_flags=rs_flags, rs_dropped=rs_dropped,
-                             rs_any=rs_any, is_mask=is_mask, raw_log_ratio=raw, is_weight=w_seq,
+                             rs_any=rs_any, rs_values=rs_values, is_mask=is_mask, raw_log_ratio=raw, is_weight=w_seq,
                              sequence_weight=w_report, drop=drop, kept=kept)
 
 

@@ -143,6 +143,7 @@ def _one_sequence(train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor
 
     # rejection sampling criteria (ANDed: a token must pass every one)
     s["rs"] = {}
+    s["rs_stat"] = {}  # option -> (the statistic of each valid token, the sequence's value or None if n == 0)
     rs_token_rejected = torch.zeros_like(valid)
     rs_sequence_rejected = False
     for c in config.rs:
@@ -153,8 +154,10 @@ def _one_sequence(train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor
             flags = valid & outside(stat, low, high)
             rs_token_rejected |= flags
             s["rs"][c.option] = (int(flags.sum()), bool(flags.any()))
+            s["rs_stat"][c.option] = (stat[valid], float(masked_mean(stat, valid_f)) if n > 0 else None)
         else:
             flagged = False
+            value = None
             if n > 0:
                 if aggregate == "sum":
                     value = float(masked_sum(stat, valid_f))
@@ -165,6 +168,8 @@ def _one_sequence(train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor
                 flagged = bool(outside(value, low, high))
             rs_sequence_rejected = rs_sequence_rejected or flagged
             s["rs"][c.option] = (n if flagged else 0, flagged)
+            # verl gives every valid token of the sequence the sequence's value
+            s["rs_stat"][c.option] = (torch.full((n,), value if value is not None else 0.0), value)
     s["rs_tokens"] = n if rs_sequence_rejected else int(rs_token_rejected.sum())
     s["rs_any"] = any(flag for _, flag in s["rs"].values())
     token_rejected |= rs_token_rejected
@@ -329,6 +334,7 @@ def reference_correction(
             name = f"rollout_rs_{c.option}"
             m[name + "_masked_fraction"] = _frac(sum(s["rs"][c.option][0] for s in seqs), n_tokens)
             m[name + "_seq_masked_fraction"] = _frac(sum(1 for s in seqs if s["rs"][c.option][1]), n_loss_seqs)
+            m.update(_rs_statistics(name, c, seqs))
 
     if config.veto_threshold is not None:
         m["rollout_is_veto_fraction"] = _frac(sum(1 for s in seqs if s["vetoed"]), n_loss_seqs)
@@ -336,6 +342,51 @@ def reference_correction(
 
     keep_list = [s["keep"] for s in seqs]
     return weights_list, keep_list, m
+
+
+def _rs_statistics(name: str, criterion, seqs: List[dict]) -> Dict[str, float]:
+    """verl's per-option statistics (``compute_rs_metrics`` in verl's ``rollout_corr_helper.py``), written the way
+    verl computes them: a per-token tensor over the valid tokens (a sequence criterion's value repeated over each
+    valid token of its sequence) and a list of per-sequence values over the valid sequences (a token criterion's
+    per-sequence mean).  The statistic is this project's (k1 = log r, unclamped)."""
+    granularity, _, kind = RS_OPTIONS[criterion.option]
+    low, high = criterion_bounds(criterion)
+    k1 = kind == "k1"
+    per_token = torch.cat([s["rs_stat"][criterion.option][0] for s in seqs]) if seqs else torch.zeros(0)
+    per_token = per_token.double()
+    values = [s["rs_stat"][criterion.option][1] for s in seqs if s["n"] > 0]
+    n_tok, n_seq = per_token.numel(), len(values)
+
+    def token_frac(flags) -> float:
+        return float(flags.double().mean()) if n_tok else 0.0
+
+    def seq_frac(test) -> float:
+        return _frac(sum(1 for v in values if test(v)), n_seq)
+
+    m: Dict[str, float] = {name + "_mean": float(per_token.mean()) if n_tok else 0.0}
+    if granularity == "token":
+        m[name + "_max"] = float(per_token.max()) if n_tok else 0.0
+        m[name + "_min"] = float(per_token.min()) if n_tok else 0.0
+        m[name + "_fraction_high"] = token_frac(per_token > high)
+        if k1:
+            m[name + "_fraction_low"] = token_frac(per_token < low)
+    else:
+        m[name + "_max"] = max(values) if values else 0.0
+        m[name + "_min"] = min(values) if values else 0.0
+        m[name + "_fraction_high"] = seq_frac(lambda v: v > high)
+        if k1:
+            m[name + "_fraction_low"] = seq_frac(lambda v: v < low)
+    band = per_token.clamp(low if k1 else 0.0, high)
+    m[name + "_std"] = float(band.std(unbiased=False)) if n_tok > 1 else 0.0
+    m[name + "_seq_mean"] = _mean(values)
+    m[name + "_seq_std"] = float(torch.tensor(values, dtype=torch.float64).std()) if n_seq > 1 else 0.0  # n - 1
+    m[name + "_seq_max"] = max(values) if values else 0.0
+    m[name + "_seq_min"] = min(values) if values else 0.0
+    m[name + "_seq_max_deviation"] = max(abs(v) for v in values) if values else 0.0
+    m[name + "_seq_fraction_high"] = seq_frac(lambda v: v > high)
+    if k1:
+        m[name + "_seq_fraction_low"] = seq_frac(lambda v: v < low)
+    return m
 
 
 def reference_sequences(train_list, rollout_list, mask_list, config) -> Dict[str, List[float]]:

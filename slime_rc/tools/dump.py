@@ -33,6 +33,19 @@ REQUIRED_KEYS = ("train_log_probs", "rollout_log_probs", "loss_mask")
 TOKEN_KEYS = REQUIRED_KEYS + ("turn_ids",)
 # A log-prob above this is not a log-prob (logits? probabilities?); the slack admits rounding of log(1) ~ 0.
 MAX_LOG_PROB = 1e-4
+# A log-prob at or below this is a float floor standing in for -inf (float32 min -3.4028235e38, bf16 min -3.39e38:
+# what SGLang / a log_softmax writes for a token it gives no probability), not a measurement.  ``slime-rc analyze``
+# skips such loss tokens and counts them (docs/analyze.md); -1e4 is kept (a real, catastrophic ratio).
+FLOOR_LOG_PROB = -1e30
+# The first bytes of files that are not JSONL text: what they are, and what to do.
+_BINARY_MAGIC = ((b"\x1f\x8b", "a gzip file: decompress it first (gunzip {file})"),
+                 (b"PK\x03\x04", "a zip archive (torch.save writes these): a dump is JSONL text; write one with "
+                                  "slime_rc.tools.dump.sample_record + DumpWriter, or slime-rc train "
+                                  "--dump-logprobs DIR"),
+                 (b"\x80", "a pickle (torch.save / pickle.dump): a dump is JSONL text, never pickle; write one with "
+                           "slime_rc.tools.dump.sample_record + DumpWriter, or slime-rc train --dump-logprobs DIR"),
+                 (b"\x93NUMPY", "a numpy .npy file: a dump is JSONL text; write one with "
+                                "slime_rc.tools.dump.sample_record + DumpWriter"))
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)  # read the process umask once (os.umask can only be read by setting it)
 STEP_FILE = re.compile(r"^step_(\d+)(?:\.[^/]*)?\.jsonl$")  # step_000012.jsonl (and step_000012.<tag>.jsonl)
@@ -191,9 +204,14 @@ def _number_tensor(where: str, key: str, values, dtype) -> torch.Tensor:
     if not isinstance(values, list):
         raise ValueError(f"{where}: {key!r} must be a list of numbers, got {type(values).__name__}")
     try:
-        return torch.tensor(values, dtype=dtype)
+        t = torch.tensor(values, dtype=dtype)
     except (TypeError, ValueError, RuntimeError, OverflowError):
         pass
+    else:
+        if t.dim() != 1:
+            raise ValueError(f"{where}: {key!r} must be a flat list (one number per response token of this sample), "
+                             f"got nested lists of shape {list(t.shape)}; write one record per sample")
+        return t
     out = []
     for i, v in enumerate(values):
         if v is None and dtype.is_floating_point:
@@ -212,8 +230,9 @@ def parse_record(record: Any, where: str) -> Dict[str, Any]:
     """Validate one decoded record; returns the tensors and the extra keys (see :class:`Sample`).
 
     Refuses (``ValueError`` starting with ``where`` = ``file:line``): a record that is not an object, a missing
-    key, arrays of different lengths, a mask value other than 0/1, null/NaN/inf on a loss token, a log-prob above
-    :data:`MAX_LOG_PROB`, ``response_length`` different from the token count, ``turn_ids`` that are not ints.
+    key, nested (2-D) token arrays, arrays of different lengths, a mask value other than 0/1, null/NaN/inf on a
+    loss token, a log-prob above :data:`MAX_LOG_PROB`, ``response_length`` different from the token count,
+    ``turn_ids`` that are not ints.
     """
     if not isinstance(record, dict):
         raise ValueError(f"{where}: a dump record must be a JSON object, got {type(record).__name__}")
@@ -267,13 +286,32 @@ def dump_files(path, steps: Optional[Iterable[int]] = None) -> List[tuple]:
     path = os.fspath(path)
     if os.path.isdir(path):
         found = []
-        for name in os.listdir(path):
+        try:
+            names = os.listdir(path)
+        except OSError as e:
+            raise ValueError(f"{path}: cannot list the dump directory ({e.strerror}); check its permissions "
+                             f"(chmod +rx {path})") from None
+        for name in names:
             m = STEP_FILE.match(name)
             if m and os.path.isfile(os.path.join(path, name)):
                 found.append((int(m.group(1)), name))
         if not found:
+            others = sorted(n for n in names if n.endswith(".jsonl") and os.path.isfile(os.path.join(path, n)))
+            if others:
+                shown = ", ".join(others[:3]) + (f" (+{len(others) - 3} more)" if len(others) > 3 else "")
+                raise ValueError(f"{path}: no step_*.jsonl file in the dump directory, but {len(others)} other .jsonl "
+                                 f"file(s): {shown}; pass one file (slime-rc analyze {os.path.join(path, others[0])}) "
+                                 f"or name them step_NNNNNN.jsonl")
             raise ValueError(f"{path}: empty dump directory (no step_*.jsonl files)")
         found.sort()
+        by_step: Dict[int, List[str]] = {}
+        for s, n in found:
+            by_step.setdefault(s, []).append(n)
+        for s, ns in by_step.items():
+            plain = [n for n in ns if n.count(".") == 1]  # step_N.jsonl, not a tagged shard step_N.<tag>.jsonl
+            if len(ns) > 1 and plain:
+                raise ValueError(f"{path}: step {s} is in {len(ns)} files ({', '.join(ns)}): dumps of different runs "
+                                 f"mixed in one directory? keep one run per directory, or analyze one file")
         if steps is not None:
             wanted = set(steps)
             chosen = [(s, n) for s, n in found if s in wanted]
@@ -304,8 +342,11 @@ def iter_samples(path, *, steps: Optional[Iterable[int]] = None) -> Iterator[Sam
     one line in memory at a time.  ``steps``: only these steps (a directory's file steps; in a single file, the
     records' ``step`` key).  Blank lines are skipped.
 
-    Raises ``ValueError`` naming ``file:line`` and the key for a bad record (see :func:`parse_record`), and for an
-    empty file, a directory without records or steps that select nothing.  The path is checked when this is
+    Raises ``ValueError`` naming ``file:line`` and the key for a bad record (see :func:`parse_record`) or a line
+    that is not UTF-8 JSON (a truncated last line says so), and naming the path for an empty file, a binary file
+    (gzip, ``torch.save`` zip, pickle, ``.npy``), an unreadable file, a directory without records or without
+    ``step_*.jsonl`` files (the other ``.jsonl`` files are named), two files for one step of which one is a plain
+    ``step_N.jsonl`` (two runs in one directory), or steps that select nothing.  The path is checked when this is
     called; records as they are read.
     """
     steps = None if steps is None else sorted({int(s) for s in steps})
@@ -317,15 +358,33 @@ def _iter(path: str, files: List[tuple], steps: Optional[List[int]]) -> Iterator
     yielded, records, seen_steps = 0, 0, set()
     for file, file_step in files:
         in_file = 0
-        with open(file, encoding="utf-8") as f:
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
+        try:
+            f = open(file, "rb")
+        except OSError as e:
+            raise ValueError(f"{file}: cannot read the dump file ({e.strerror}); check its permissions "
+                             f"(chmod +r {file})") from None
+        with f:
+            head = f.read(8)
+            for magic, what in _BINARY_MAGIC:
+                if head.startswith(magic):
+                    raise ValueError(f"{file}: not a JSONL dump but {what.format(file=file)}")
+            f.seek(0)
+            for line_no, raw in enumerate(f, 1):
                 where = f"{file}:{line_no}"
                 try:
-                    record = json.loads(line)
+                    line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")  # a BOM is harmless
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"{where}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1}): "
+                                     f"a binary or corrupt file; a dump is JSONL text, one JSON object per line"
+                                     ) from None
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line.rstrip("\r\n"))  # columns of an error at the end stay on this line
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
+                    cut = "" if raw.endswith(b"\n") else ("; the file ends inside this line: truncated (a partial "
+                                                          "copy or a crashed writer?); drop the last line")
+                    raise ValueError(f"{where}: not JSON ({e.msg} at column {e.colno}){cut}") from None
                 in_file += 1
                 sample = Sample(path=file, line=line_no, file_step=file_step, **parse_record(record, where))
                 step = sample.step

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 import torch
@@ -243,6 +244,99 @@ def test_mask_mode_and_rs_both_shape_keep_mask():
     assert m["rollout_rs_masked_fraction"] == pytest.approx(3 / 8)  # C and D
     assert m["rejected_token_fraction"] == pytest.approx(5 / 8)
     assert m["rollout_is_mean"] == pytest.approx((1.5 + 0.8 + 1.2) / 3, rel=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# (a) verl's per-option RS statistics (rollout_rs_<option>_mean ... _seq_fraction_low), by hand on the hand batch
+# ---------------------------------------------------------------------------------------------------------------
+def _verl_rs_statistics(option, criterion, ratio_lists):
+    """verl's compute_rs_metrics on plain Python lists, with this project's statistic (k1 = log r): a token list
+    (a sequence criterion's value repeated over its tokens) and a sequence list (a token criterion's per-sequence
+    mean)."""
+    granularity, aggregate, kind = RS_OPTIONS[option]
+    stat = {"k1": math.log, "k2": k2, "k3": k3}[kind]
+    per_seq_tokens = [[stat(r) for r in rs] for rs in ratio_lists]
+    if granularity == "token":
+        values = [sum(xs) / len(xs) for xs in per_seq_tokens]
+        tokens = [x for xs in per_seq_tokens for x in xs]
+    else:
+        agg = {"sum": sum, "mean": lambda xs: sum(xs) / len(xs), "max": max}[aggregate]
+        values = [agg(xs) for xs in per_seq_tokens]
+        tokens = [v for v, xs in zip(values, per_seq_tokens) for _ in xs]
+    hi = math.log(criterion.upper) if kind == "k1" else criterion.upper
+    lo = math.log(criterion.lower) if kind == "k1" else 0.0
+    stats = values if granularity == "sequence" else tokens  # what _max/_min/_fraction_* are taken over
+    band = [min(max(x, lo), hi) for x in tokens]
+    name = f"rollout_rs_{option}"
+    out = {name + "_mean": statistics.fmean(tokens), name + "_max": max(stats), name + "_min": min(stats),
+           name + "_std": statistics.pstdev(band),
+           name + "_fraction_high": sum(x > hi for x in stats) / len(stats),
+           name + "_seq_mean": statistics.fmean(values), name + "_seq_std": statistics.stdev(values),
+           name + "_seq_max": max(values), name + "_seq_min": min(values),
+           name + "_seq_max_deviation": max(abs(v) for v in values),
+           name + "_seq_fraction_high": sum(v > hi for v in values) / len(values)}
+    if kind == "k1":
+        out[name + "_fraction_low"] = sum(x < lo for x in stats) / len(stats)
+        out[name + "_seq_fraction_low"] = sum(v < lo for v in values) / len(values)
+    return out
+
+
+@pytest.mark.parametrize("option", list(RS_CASES))
+def test_rs_statistics_hand(option):
+    threshold, _ = RS_CASES[option]
+    rs = parse_rejection_criteria(option, threshold)
+    m = metrics_of(run_engine(*from_ratios(HAND), RolloutCorrectionConfig(rs=rs)))
+    want = _verl_rs_statistics(option, rs[0], HAND)
+    got = {k: v for k, v in m.items() if k.startswith(f"rollout_rs_{option}_") and "masked" not in k}
+    assert set(got) == set(want)
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    assert m[f"rollout_rs_{option}_seq_std"] > 0 and m[f"rollout_rs_{option}_std"] > 0  # the hand data spreads
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_rs_statistics_add_up_to_the_rejections(seed):
+    """Every RS option at once on random data: the high/low fractions split the criterion's own rejections, and the
+    k1 statistic has our sign (log r: its token mean is -kl, where verl's -log r would give +kl)."""
+    options = list(RS_CASES)
+    thresholds = ["0.8_1.2" if RS_OPTIONS[o][2] == "k1" else "0.05" for o in options]
+    cfg = RolloutCorrectionConfig(rs=parse_rejection_criteria(options, thresholds))
+    train, rollout, mask = random_batch(seed)  # no non-finite loss token: valid sequences are the loss sequences
+    m = metrics_of(run_engine(train, rollout, mask, cfg))
+    for option in options:
+        name = f"rollout_rs_{option}"
+        low = m.get(name + "_fraction_low", 0.0)
+        if RS_OPTIONS[option][0] == "token":
+            assert m[name + "_fraction_high"] + low == pytest.approx(m[name + "_masked_fraction"], abs=1e-12)
+        else:
+            assert m[name + "_fraction_high"] + low == pytest.approx(m[name + "_seq_masked_fraction"], abs=1e-12)
+            assert m[name + "_max"] == m[name + "_seq_max"] and m[name + "_min"] == m[name + "_seq_min"]
+        assert m[name + "_min"] <= m[name + "_mean"] <= m[name + "_max"]
+        assert m[name + "_seq_min"] <= m[name + "_seq_mean"] <= m[name + "_seq_max"]
+        assert m[name + "_seq_max_deviation"] == max(abs(m[name + "_seq_max"]), abs(m[name + "_seq_min"]))
+    assert m["rollout_rs_token_k1_mean"] == pytest.approx(-m["kl"], rel=1e-9)
+    assert m["rollout_rs_token_k1_fraction_high"] > 0 and m["rollout_rs_token_k1_fraction_low"] > 0
+
+
+def test_rs_statistics_of_equal_values_have_no_spread():
+    """Equal values have std 0 exactly (not the rounding of E[x^2] - E[x]^2), and fewer than two values too."""
+    rs = parse_rejection_criteria("token_k3,seq_sum_k1", "0.001,0.5_2.0")
+    m = metrics_of(run_engine(*from_ratios([[1.5, 1.5], [1.5, 1.5]]), RolloutCorrectionConfig(rs=rs)))
+    for key in ("rollout_rs_token_k3_std", "rollout_rs_token_k3_seq_std", "rollout_rs_seq_sum_k1_seq_std"):
+        assert m[key] == 0.0, key
+    assert m["rollout_rs_token_k3_mean"] == pytest.approx(k3(1.5), rel=1e-5)  # all above the bound: band-clamped
+    one = metrics_of(run_engine(*from_ratios([[1.5]]), RolloutCorrectionConfig(rs=rs)))
+    assert one["rollout_rs_token_k3_std"] == 0.0 and one["rollout_rs_seq_sum_k1_seq_std"] == 0.0
+    assert one["rollout_rs_seq_sum_k1_max"] == pytest.approx(math.log(1.5), rel=1e-5)
+    # every sequence's max k2 (0.0011) lies above the bound: the band-clamped values are all 0.001, weighted by 5, 1
+    # and 2 tokens; E[c^2] - E[c]^2 rounds to 0 in some orders of the sequences and to ~2e-22 in others
+    lr = [[0, 0.046875, 0, 0, 0, 0, 0], [0.046875], [0, 0.046875]]
+    masks = [[1, 1, 1, 1, 1, 0, 0], [1], [1, 1]]
+    cfg = RolloutCorrectionConfig(rs=parse_rejection_criteria("seq_max_k2", 0.001))
+    for order in ([0, 1, 2], [1, 0, 2], [2, 1, 0], [1, 2, 0]):
+        batch = [[torch.tensor(lr[i]) for i in order], [torch.zeros(len(lr[i])) for i in order],
+                 [torch.tensor(masks[i], dtype=torch.float32) for i in order]]
+        assert metrics_of(run_engine(*batch, cfg))["rollout_rs_seq_max_k2_std"] == 0.0, order
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -725,6 +819,8 @@ def _check_against_reference(cfg, train, rollout, mask):
                 assert got == 0.0, key
             else:
                 assert _within_bin(got, math.log(want), bins), (key, got, want)
+        elif key.startswith("rollout_rs_") and not key.endswith("masked_fraction"):  # verl's RS statistics
+            assert math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-6), (key, got, want)
         else:
             assert math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-6), (key, got, want)
     return res, ref_m

@@ -56,6 +56,10 @@ CONFIGS = {
         rs=parse_rejection_criteria("geometric,seq_max_k3,seq_mean_k2", "0.96_1.04,0.5,0.012")),
     "token_k1_asym_band": RolloutCorrectionConfig(is_level="token", is_upper_bound=2.0,
                                                   rs=parse_rejection_criteria("token_k1", "0.85_1.1")),
+    # token k2/k3: their per-sequence means go through collective 1 (the RS statistics metrics)
+    "token_k2_k3_seq_sum_k1": RolloutCorrectionConfig(
+        is_level="sequence", is_upper_bound=2.0,
+        rs=parse_rejection_criteria("token_k2,token_k3,seq_sum_k1", "0.02,0.02,0.5_2.0")),
     # run on the batch with a NaN (see _case_batch)
     "reject_nan_token_norm": RolloutCorrectionConfig(
         is_level="token", is_batch_normalize=True, rs=parse_rejection_criteria("token", 1.5),

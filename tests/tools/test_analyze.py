@@ -201,7 +201,10 @@ def test_merge_rules_cover_every_metric_the_engine_returns():
     for cfg in [analysis_config(), everything] + [RolloutCorrectionConfig.preset(n) for n in PRESETS]:
         names = compute_rollout_correction(lp, lp * 1.1, torch.ones(40), torch.tensor([0, 15, 40]), cfg).metrics
         unmerged |= {n for n in names if merge_rule(n) is None}
-    assert unmerged == {"rollout_is_batch_norm_factor"}  # a per-batch division: no preset normalizes
+    # a per-batch division (no preset normalizes), and verl's rollout_rs_<option>_std: the spread of the statistic
+    # clamped into the band, whose clamped mean no metric reports
+    rs_std = {n for n in unmerged if n.startswith("rollout_rs_") and n.endswith("_std") and not n.endswith("_seq_std")}
+    assert rs_std and unmerged == {"rollout_is_batch_norm_factor"} | rs_std
 
 
 @pytest.mark.parametrize("scenario", ["short_moderate", "catastrophic", "long_moderate"])

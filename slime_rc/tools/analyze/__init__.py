@@ -14,10 +14,11 @@ Python: ``analyze(path) -> report`` (a dict: the engine's metric names at the to
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Iterable, List, Optional
 
-from slime_rc.tools.dump import iter_samples
+from slime_rc.tools.dump import FLOOR_LOG_PROB, iter_samples
 from slime_rc.tools.analyze.accumulate import (CATASTROPHIC_RATIO, DEFAULT_CHUNK_TOKENS, LENGTH_EDGES, PROB_EDGES, DumpAnalysis,
                          MetricMerger, analysis_config, merge_rule)
 from slime_rc.tools.analyze.plot import plot_report
@@ -48,6 +49,21 @@ def analyze(path, *, steps: Optional[Iterable[int]] = None, chunk_tokens: int = 
             chunk, n = [], 0
     acc.add_chunk(chunk)
     report = acc.finish()
+    d = report["dump"]
+    if d["valid_tokens"] == 0:  # every metric would be an empty mean (0): refuse rather than report "negligible"
+        skipped = d.get("skipped_floor_tokens", 0)
+        sel = "" if steps is None else " of the selected step(s)"
+        if skipped:
+            what = (f"none of the {d['response_tokens']} response token(s) of {d['samples']} sample(s){sel} is a loss "
+                    f"token with a usable log-prob ({skipped} loss token(s) hold a log-prob at the float floor "
+                    f"(<= {FLOOR_LOG_PROB:g}, a stand-in for -inf; first in {d['first_floor_sample']}) and were "
+                    f"skipped)")
+        elif d["response_tokens"]:
+            what = (f"none of the {d['response_tokens']} response token(s) of {d['samples']} sample(s){sel} is a loss "
+                    f"token (loss_mask is 0 on every token)")
+        else:
+            what = f"the {d['samples']} sample(s){sel} hold no response token (empty token arrays)"
+        raise ValueError(f"{os.fspath(path)}: nothing to analyze: {what}; dump the trained tokens with loss_mask 1")
     rec = recommend(report)
     report["recommended_preset"] = rec["recommended_preset"]
     report["reasons"] = rec["reasons"]
@@ -76,6 +92,28 @@ def _error(message: str) -> int:
     return 2
 
 
+def _plot_path_error(plot: str, dump: str) -> Optional[str]:
+    """Why ``--plot plot`` cannot be written (checked before the analysis, which may take minutes), else None."""
+    from matplotlib.backend_bases import FigureCanvasBase
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if os.path.isdir(plot):
+        return f"--plot {plot} is a directory; give a file name, e.g. --plot {os.path.join(plot, 'mismatch.png')}"
+    ext = os.path.splitext(plot)[1].lower().lstrip(".")
+    if not ext:
+        return f"--plot {plot} has no file extension; name the image file, e.g. --plot {plot}.png"
+    if ext not in formats:
+        return (f"--plot {plot}: '.{ext}' is not an image format matplotlib writes; use .png, .pdf or .svg "
+                f"(supported: {', '.join(sorted(formats))})")
+    parent = os.path.dirname(os.path.abspath(plot))
+    if not os.path.isdir(parent):
+        return f"--plot {plot}: directory {parent} does not exist; create it first (mkdir -p {parent})"
+    if not os.access(parent, os.W_OK):
+        return f"--plot {plot}: directory {parent} is not writable"
+    if os.path.exists(plot) and os.path.exists(dump) and os.path.samefile(plot, dump):
+        return f"--plot {plot} is the dump itself; writing the figure would destroy it: choose another file"
+    return None
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     try:
@@ -89,17 +127,25 @@ def main(argv: Optional[List[str]] = None) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             return _error("--plot needs matplotlib: pip install matplotlib (or pip install 'slime-rc[plot]')")
+        problem = _plot_path_error(args.plot, args.dump)
+        if problem:
+            return _error(problem)
     try:
         report = analyze(args.dump, steps=args.step, chunk_tokens=args.chunk_tokens)
     except ValueError as e:
         return _error(str(e))
     except OSError as e:
-        return _error(f"{args.dump}: {e.strerror or e}")
+        return _error(f"{e.filename or args.dump}: {e.strerror or e}")
     if args.json:
         print(report_dumps(report))
     else:
         sys.stdout.write(format_report(report, args.dump))
     if args.plot:
-        plot_report(report, args.plot)
-        print(f"wrote {args.plot}", file=sys.stderr if args.json else sys.stdout)
+        existed = os.path.exists(args.plot)
+        try:
+            plot_report(report, args.plot)
+        except OSError as e:
+            return _error(f"--plot {args.plot}: cannot write the figure ({e.strerror or e})")
+        print(f"wrote {args.plot}" + (" (replaced the existing file)" if existed else ""),
+              file=sys.stderr if args.json else sys.stdout)
     return 0

@@ -30,13 +30,14 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from slime_rc.config.schema import RolloutCorrectionConfig
+from slime_rc.config.schema import RS_OPTIONS, RolloutCorrectionConfig
 from slime_rc.correction.engine import compute_rollout_correction
 from slime_rc.correction.metrics import METRICS
 from slime_rc.correction.packed import cu_seqlens_from_lengths, segment_sum
 from slime_rc.config.presets import PRESETS
 from slime_rc.correction.quantiles import QUANTILES, histogram, num_bins, quantiles_from_histogram
 from slime_rc.config.resolution import Layer, preset_layer, resolve
+from slime_rc.tools.dump import FLOOR_LOG_PROB
 
 
 def _div(a: float, b: float) -> float:
@@ -96,11 +97,35 @@ _DERIVED = {"rollout_is_std", "rollout_is_eff_sample_size", "rollout_is_seq_std"
 _QUANTILE = re.compile(r"^rollout_is_p\d+$")
 
 
+# verl's per-option RS statistics (suffix -> (kind, denominator); "*" = "tokens" for a token criterion, "seqs" for a
+# sequence one, whose token statistics are its per-sequence value weighted by the sequence's valid tokens)
+_RS_STATISTICS = {"_mean": ("mean", "tokens"), "_max": ("max", "*"), "_min": ("min", "*"),
+                  "_fraction_high": ("mean", "*"), "_fraction_low": ("mean", "*"),
+                  "_seq_mean": ("mean", "seqs"), "_seq_std": ("derived", ""), "_seq_max": ("max", "seqs"),
+                  "_seq_min": ("min", "seqs"), "_seq_max_deviation": ("max", "seqs"),
+                  "_seq_fraction_high": ("mean", "seqs"), "_seq_fraction_low": ("mean", "seqs")}
+# longest first: "token_k1" before "token"
+_RS_PREFIXES = [(f"rollout_rs_{o}", o) for o in sorted(RS_OPTIONS, key=len, reverse=True)]
+
+
+def _rs_statistic(name: str) -> Optional[Tuple[str, str]]:
+    """``(option, suffix)`` of one of verl's per-option RS statistics, else None."""
+    for prefix, option in _RS_PREFIXES:
+        if name.startswith(prefix) and name[len(prefix):] in _RS_STATISTICS:
+            return option, name[len(prefix):]
+    return None
+
+
 def merge_rule(name: str) -> Optional[Tuple[str, str]]:
     """``(kind, denominator)`` of a metric name, None when chunk values cannot be merged exactly
-    (``rollout_is_batch_norm_factor``: a per-batch normalization)."""
+    (``rollout_is_batch_norm_factor``: a per-batch normalization; ``rollout_rs_<option>_std``: the spread of the
+    statistic clamped into the band, whose mean no metric reports)."""
     if name in _TOKEN_MEANS or re.fullmatch(r"rollout_rs_\w+(?<!_seq)_masked_fraction", name):
         return "mean", "tokens"
+    rs = _rs_statistic(name)
+    if rs is not None:
+        kind, den = _RS_STATISTICS[rs[1]]
+        return kind, (("tokens" if RS_OPTIONS[rs[0]][0] == "token" else "seqs") if den == "*" else den)
     if name in _SEQ_MEANS:
         return "mean", "seqs"
     if name == "chi2_token":
@@ -167,6 +192,11 @@ class MetricMerger:
         if "rollout_is_seq_std" in metrics:
             mean, std = metrics["rollout_is_seq_mean"], metrics["rollout_is_seq_std"]
             self.sums["_seq_w_sq"] += (std * std + mean * mean) * den["seqs"]
+        for name in metrics:
+            if name.endswith("_seq_std") and name.startswith("rollout_rs_"):
+                # E[v^2] over the chunk's n sequences: its _seq_std divides by n - 1 (0 for n < 2)
+                n, mean, std = den["seqs"], metrics[name[:-4] + "_mean"], metrics[name]
+                self.sums[name + "_sq"] += std * std * max(n - 1.0, 0.0) + mean * mean * n
 
     def finish(self, hist: Optional[torch.Tensor] = None) -> Dict[str, float]:
         c = self.config
@@ -186,6 +216,12 @@ class MetricMerger:
         if "rollout_is_seq_std" in self.names:
             mean, msq = out["rollout_is_seq_mean"], _div(self.sums["_seq_w_sq"], self.den["seqs"])
             out["rollout_is_seq_std"] = math.sqrt(max(msq - mean * mean, 0.0))
+        for name in self.names:
+            if name.endswith("_seq_std") and name.startswith("rollout_rs_"):
+                base, n = name[:-4], self.den["seqs"]
+                mean, top, bottom = out[base + "_mean"], out[base + "_max"], out[base + "_min"]
+                var = max(_div(self.sums[name + "_sq"], n) - mean * mean, 0.0) * _div(n, n - 1.0)
+                out[name] = math.sqrt(var) if n > 1 and top != bottom else 0.0  # equal values: 0, as the engine
         quantile_names = [n for n in self.names if _QUANTILE.match(n)]
         if quantile_names and hist is not None and c is not None:
             qs = quantiles_from_histogram(hist, c.quantile_bins_per_octave, c.safety_bound).tolist()
@@ -244,6 +280,8 @@ class DumpAnalysis:
         self.files: Dict[str, int] = {}
         self.steps: set = set()
         self.modes: Counter = Counter()
+        self.floor_tokens = self.floor_samples = 0  # loss tokens skipped: a log-prob at the float floor
+        self.floor_where: Optional[str] = None  # file:line of the first such sample
 
     # -- one chunk ---------------------------------------------------------------------------------------------
     def add_chunk(self, samples: List) -> None:
@@ -255,6 +293,15 @@ class DumpAnalysis:
         rollout = torch.cat([s.rollout_log_probs for s in samples])
         mask = torch.cat([s.loss_mask for s in samples])
         cu = cu_seqlens_from_lengths(lengths)
+        # a log-prob at the float floor (-3.4e38: a stand-in for -inf) is no measurement: skip the token, count it
+        floor = mask & ((train <= FLOOR_LOG_PROB) | (rollout <= FLOOR_LOG_PROB))
+        if bool(floor.any()):
+            per_seq = segment_sum(floor.double(), cu)
+            self.floor_tokens += int(floor.sum())
+            self.floor_samples += int((per_seq > 0).sum())
+            if self.floor_where is None:
+                self.floor_where = samples[int(torch.nonzero(per_seq > 0)[0, 0])].where
+            mask = mask & ~floor
         for s in samples:
             self.files[s.path] = self.files.get(s.path, 0) + 1
             if s.step is not None:
@@ -350,6 +397,10 @@ class DumpAnalysis:
         n_cat, k3_cat = self.catastrophic.tolist()
         report["catastrophic_tokens"] = int(n_cat)
         report["k3_kl_excluding_catastrophic"] = _div(float(self.by_prob[:, 3].sum()) - k3_cat, tokens - n_cat)
+        if self.floor_tokens:  # only then: a report of a clean dump keeps its keys
+            report["dump"]["skipped_floor_tokens"] = self.floor_tokens
+            report["dump"]["skipped_floor_samples"] = self.floor_samples
+            report["dump"]["first_floor_sample"] = self.floor_where
         report["_histogram"] = self.hist
         report["_bins"] = (self.bins, self.bound)
         return report

@@ -217,6 +217,17 @@ def recommend(report: dict) -> dict:
         warnings.append(f"{name}'s IS weights keep an effective sample size of {ess:.3g} (< MIN_ESS = {MIN_ESS:g}): "
                         f"the weights are degenerate")
 
+    if len(modes) > 1:
+        warnings.append(f"the dump mixes samples recorded in {len(modes)} modes ("
+                        + ", ".join(f"{m}: {n}" for m, n in modes.items()) + f"): dumps of different runs or "
+                        f"configurations together? the operating mode above follows the most frequent one "
+                        f"({dump_mode}); analyze each run's dump on its own")
+    if d.get("skipped_floor_tokens"):
+        warnings.append(f"{d['skipped_floor_tokens']} loss token(s) in {d['skipped_floor_samples']} sample(s) have a "
+                        f"log-prob at the float floor (<= -1e30, a stand-in for -inf; first in "
+                        f"{d['first_floor_sample']}) and were left out of every number here: the rollout engine gave "
+                        f"them no probability (top-k / top-p truncation?) or the trainer's log-prob underflowed; "
+                        f"training sees them clamped at the ±20 bound")
     notes = _notes(report)
     return {"recommended_preset": name, "flags": flags, "severity": severity,
             "length_regime": None if severity == "negligible" else ("long" if long else "short"),

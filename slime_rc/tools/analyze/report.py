@@ -64,6 +64,9 @@ def format_report(report: dict, source: str = "") -> str:
            f"  {d['samples']} samples in {d['files']} file(s), steps {steps}; {d['response_tokens']} response tokens, "
            f"{d['loss_tokens']} loss tokens; mean length {d['mean_length']:.1f} loss tokens (max {d['max_length']})"
            + (f"; recorded in mode {', '.join(f'{m} ({n})' for m, n in d['modes'].items())}" if d["modes"] else ""),
+           *([f"  skipped {d['skipped_floor_tokens']} loss token(s) in {d['skipped_floor_samples']} sample(s) "
+              f"whose log-prob is at the float floor (<= -1e30, a stand-in for -inf; first in "
+              f"{d['first_floor_sample']}): not in any number below"] if d.get("skipped_floor_tokens") else []),
            "  r = pi_train / pi_rollout (pi_train: pi_old, or pi_theta in bypass); log r clamped to ±20 before exp; "
            f"{d['chunks']} chunk(s) merged exactly", ""]
 
