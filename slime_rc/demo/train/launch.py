@@ -20,16 +20,23 @@ file path does not have.
 Rank 0 prints one line per step and writes ``--output-dir``: ``config.json`` (the resolved rollout-correction config
 and the run settings), ``metrics.jsonl`` (one JSON object per step, flushed each step) and TensorBoard event files
 when tensorboard is installed; with ``--use-wandb`` it logs to wandb too (:mod:`slime_rc.demo.train.loggers`: slime's
-flags and key names, ``train/<key>`` against ``train/step``).  A directory that already holds a run's
-``metrics.jsonl`` or ``config.json`` is refused before anything starts, unless ``--overwrite``
-(:func:`check_output_dir`).
+flags and key names, ``train/<key>`` against ``train/step``).  A directory that already holds a previous run's
+files (``metrics.jsonl``, ``config.json``, TensorBoard event files, a ``wandb/`` folder), or a ``--dump-logprobs``
+directory that holds a previous dump, is refused before anything starts, unless ``--overwrite``, which removes them
+first (:func:`check_output_dir`, :func:`remove_previous_run`).
+
+SIGTERM and Ctrl-C stop a run cleanly (:mod:`slime_rc.demo.train.interrupt`): every line of ``metrics.jsonl`` is
+complete, rank 0 says in one line at which step the run stopped, and the launcher exits ``128 + signal`` (130, 143)
+once its workers are gone; a spawned worker also stops when the launcher dies, even by SIGKILL.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
+import shutil
 import sys
 import tempfile
 from dataclasses import dataclass, field, fields, replace
@@ -41,6 +48,8 @@ from slime_rc.config.arguments import add_rollout_correction_arguments, resolve_
 from slime_rc.config.schema import RolloutCorrectionConfig
 from slime_rc.demo.rollout.sglang_client import SGLangError
 from slime_rc.sglang_output import check_sampling_consistency
+from slime_rc.demo.train import interrupt
+from slime_rc.demo.train.interrupt import Interrupted
 from slime_rc.demo.train.loggers import LoggingPlan, add_logging_arguments, open_loggers, plan_logging
 from slime_rc.demo.train.loop import TrainSettings, run_training, settings_dict
 
@@ -90,8 +99,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--output-dir", default=None,
                    help="where metrics.jsonl, config.json, TensorBoard and (by default) wandb go")
     g.add_argument("--overwrite", action="store_true",
-                   help="replace a previous run's metrics.jsonl and config.json in --output-dir (without it, a "
-                        "directory holding them is refused)")
+                   help="replace a previous run in --output-dir: its metrics.jsonl, config.json, TensorBoard event "
+                        "files and wandb/ folder (and a previous dump in --dump-logprobs) are removed before the run "
+                        "starts; without it a directory holding them is refused")
     add_logging_arguments(parser)
     add_rollout_correction_arguments(parser)
     return parser
@@ -99,19 +109,75 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 
 # the files a run writes into --output-dir that a second run would replace (metrics.jsonl is truncated at open)
 RUN_FILES = ("metrics.jsonl", "config.json")
+TENSORBOARD_FILES = "events.out.tfevents.*"  # SummaryWriter's event files (a second run would add its own beside them)
+WANDB_FOLDER = "wandb"  # wandb.init(dir=--output-dir) makes --output-dir/wandb/ (a second run would add its run there)
+DUMP_FILES = "step_*.jsonl"  # --dump-logprobs DIR/step_NNNNNN.jsonl (a second run would replace some, keep others)
 
 
-def check_output_dir(output_dir: Optional[str], overwrite: bool) -> None:
-    """Refuse, before anything runs, an ``--output-dir`` that holds a previous run's files (:data:`RUN_FILES`)
-    unless ``overwrite``; and a path that is not a directory.  ``ValueError`` naming the directory and the fix."""
-    if not output_dir:
-        return
-    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
-        raise ValueError(f"--output-dir {output_dir} is a file, not a directory; give a directory path")
+def previous_run_files(output_dir: Optional[str]) -> List[str]:
+    """What a previous run left in ``output_dir`` (paths inside it): :data:`RUN_FILES`, TensorBoard event files and
+    the ``wandb/`` folder."""
+    if not output_dir or not os.path.isdir(output_dir):
+        return []
     found = [name for name in RUN_FILES if os.path.exists(os.path.join(output_dir, name))]
-    if found and not overwrite:
-        raise ValueError(f"--output-dir {output_dir} already holds a previous run's {' and '.join(found)}; give a "
-                         f"fresh --output-dir, or add --overwrite to replace them")
+    found += sorted(os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(output_dir), TENSORBOARD_FILES)))
+    if os.path.isdir(os.path.join(output_dir, WANDB_FOLDER)):
+        found.append(WANDB_FOLDER)
+    return found
+
+
+def previous_dump_files(dump_dir: Optional[str]) -> List[str]:
+    """The ``step_NNNNNN.jsonl`` files of a previous ``--dump-logprobs`` dump in ``dump_dir``."""
+    if not dump_dir or not os.path.isdir(dump_dir):
+        return []
+    return sorted(os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(dump_dir), DUMP_FILES)))
+
+
+def _describe(found: List[str]) -> str:
+    """The found files in words: the run files by name first (they alone, when present), then the others."""
+    named = [n for n in found if n in RUN_FILES]
+    if not named:
+        events = sum(n.startswith("events.out.tfevents.") for n in found)
+        if events:
+            named.append(f"TensorBoard event file{'s' if events > 1 else ''} ({TENSORBOARD_FILES})")
+        if WANDB_FOLDER in found:
+            named.append(f"{WANDB_FOLDER}/ folder")
+    return " and ".join(named)
+
+
+def check_output_dir(output_dir: Optional[str], overwrite: bool, dump_dir: Optional[str] = None) -> None:
+    """Refuse, before anything runs, an ``--output-dir`` that holds a previous run's files
+    (:func:`previous_run_files`: ``metrics.jsonl``, ``config.json``, TensorBoard event files, ``wandb/``) and a
+    ``--dump-logprobs`` directory that holds a previous dump, unless ``overwrite``; and a path that is not a
+    directory.  ``ValueError`` naming the directory and the fix."""
+    if output_dir:
+        if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+            raise ValueError(f"--output-dir {output_dir} is a file, not a directory; give a directory path")
+        found = previous_run_files(output_dir)
+        if found and not overwrite:
+            raise ValueError(f"--output-dir {output_dir} already holds a previous run's {_describe(found)}; give a "
+                             f"fresh --output-dir, or add --overwrite to replace them")
+    dumped = previous_dump_files(dump_dir)
+    if dumped and not overwrite:
+        raise ValueError(f"--dump-logprobs {dump_dir} already holds a previous dump ({len(dumped)} "
+                         f"step_NNNNNN.jsonl file{'s' if len(dumped) > 1 else ''}); give a fresh --dump-logprobs "
+                         f"directory, or add --overwrite to replace them")
+
+
+def remove_previous_run(output_dir: Optional[str], dump_dir: Optional[str] = None) -> List[str]:
+    """``--overwrite``: remove what a previous run left (:func:`previous_run_files` in ``output_dir``,
+    :func:`previous_dump_files` in ``dump_dir``) so that the directories hold the new run only; returns the removed
+    paths.  Nothing else in the directories is touched."""
+    removed = []
+    for directory, names in ((output_dir, previous_run_files(output_dir)), (dump_dir, previous_dump_files(dump_dir))):
+        for name in names:
+            path = os.path.join(directory, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
+            removed.append(path)
+    return removed
 
 
 def check_layout(settings: TrainSettings, nproc: int, world: Optional[int] = None) -> None:
@@ -179,79 +245,164 @@ class Launch:
         return tis_function_from_args(args) if self.load_tis_function else self.tis_function
 
 
+def interrupted_message(signum: int, finished: int, total: int, output_dir: Optional[str]) -> str:
+    """Rank 0's one line when a signal stopped the run after ``finished`` of ``total`` steps."""
+    at = f"after its last step ({total}/{total})" if finished >= total else f"at step {finished + 1}/{total}"
+    done = ("no step finished" if finished == 0 else "step 1 finished" if finished == 1
+            else f"steps 1-{finished} finished")
+    line = f"slime-rc train: interrupted by {interrupt.signal_name(signum)} {at}: {done}"
+    if not output_dir:
+        return line + " (no --output-dir: nothing was written)"
+    if finished:
+        line += (f" and {'is' if finished == 1 else 'are'} logged, {'a' if finished == 1 else 'each a'} complete "
+                 f"line, in {os.path.join(output_dir, 'metrics.jsonl')}")
+    if previous_run_files(output_dir):
+        line += f"; to run again into {output_dir} add --overwrite, or give a fresh --output-dir"
+    return line
+
+
+def _write_config(output_dir: str, run_config: dict) -> None:
+    """``config.json``, whole or not at all: written beside it, then renamed over it."""
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, "config.json")
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(run_config, f, indent=2, default=str)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
 def _worker(rank: int, world: int, init_method: str, args: argparse.Namespace, launch: Launch) -> None:
+    """One process of the run.  A signal (:mod:`~slime_rc.demo.train.interrupt`) ends it with the loggers closed and
+    the process group destroyed; rank 0 then prints :func:`interrupted_message` and :class:`Interrupted` goes on up."""
     import torch.distributed as dist
 
-    from slime_rc.demo.model import quiet_megatron_fallback_warnings
-    quiet_megatron_fallback_warnings()  # before megatron's first import (in run_training)
-    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-    if not torch.cuda.is_available():
-        torch.set_num_threads(1)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if init_method == "env://":
-        dist.init_process_group(backend)
-        rank = dist.get_rank()
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    else:
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
     settings, config = launch.settings, launch.config
     loggers = None
-    if rank == 0:
-        print(f"slime-rc train: {settings.task} on {settings.digits} digits, {dist.get_world_size()} process(es) "
-              f"(tp {settings.tp}, pp {settings.pp}, cp {settings.cp}), mode {config.mode} / "
-              f"{config.loss_type}", flush=True)
-        for note in launch.notes:
-            print(f"note: {note}", flush=True)
-        for note in check_sampling_consistency({"temperature": settings.temperature, "top_p": settings.top_p},
-                                               settings.temperature, warn=False):
-            print(f"note: {note}", flush=True)
-        logging_line = launch.logging.describe()
-        if logging_line:
-            print(logging_line, flush=True)
-        run_config = {"rollout_correction": config.to_dict(), "sources": launch.sources,
-                      "settings": settings_dict(settings)}
-        if args.output_dir:
-            os.makedirs(args.output_dir, exist_ok=True)
-            with open(os.path.join(args.output_dir, "config.json"), "w") as f:
-                json.dump(run_config, f, indent=2, default=str)
+    finished = 0  # steps logged (rank 0)
 
     def on_step(m: dict) -> None:
+        nonlocal finished
         if rank != 0:
             return
-        print(_line(m, settings.num_steps), flush=True)
-        loggers.log(m)
+        with interrupt.atomic():  # a signal now stops the run after this step's line, never inside it
+            print(_line(m, settings.num_steps), flush=True)
+            loggers.log(m)
+            finished += 1
 
     try:
-        if rank == 0:
-            loggers = open_loggers(launch.logging, args.output_dir, run_config)  # metrics.jsonl, TensorBoard, wandb
-        history = run_training(settings, config, on_step, tis_function=launch.tis_function_here(args),
-                               tis_args=args)
-        if rank == 0 and history:
-            first, last = history[0], history[-1]
-            print(f"done: mean reward {first['reward_mean']:.3f} -> {last['reward_mean']:.3f}, exact answers "
-                  f"{first['exact_fraction']:.0%} -> {last['exact_fraction']:.0%}"
-                  + (f"; metrics in {args.output_dir}/metrics.jsonl" if args.output_dir else ""), flush=True)
-    finally:
-        if loggers is not None:
-            loggers.close()
-        dist.destroy_process_group()
+        try:
+            from slime_rc.demo.model import quiet_megatron_fallback_warnings
+            quiet_megatron_fallback_warnings()  # before megatron's first import (in run_training)
+            os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+            if not torch.cuda.is_available():
+                torch.set_num_threads(1)
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            if init_method == "env://":
+                dist.init_process_group(backend)
+                rank = dist.get_rank()
+                if torch.cuda.is_available():
+                    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            else:
+                dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
+            if rank == 0:
+                print(f"slime-rc train: {settings.task} on {settings.digits} digits, {dist.get_world_size()} "
+                      f"process(es) (tp {settings.tp}, pp {settings.pp}, cp {settings.cp}), mode {config.mode} / "
+                      f"{config.loss_type}", flush=True)
+                for note in launch.notes:
+                    print(f"note: {note}", flush=True)
+                for note in check_sampling_consistency({"temperature": settings.temperature,
+                                                        "top_p": settings.top_p}, settings.temperature, warn=False):
+                    print(f"note: {note}", flush=True)
+                logging_line = launch.logging.describe()
+                if logging_line:
+                    print(logging_line, flush=True)
+                run_config = {"rollout_correction": config.to_dict(), "sources": launch.sources,
+                              "settings": settings_dict(settings)}
+                if args.output_dir:
+                    with interrupt.atomic():
+                        _write_config(args.output_dir, run_config)
+                with interrupt.atomic():  # metrics.jsonl, TensorBoard, wandb: opened whole
+                    loggers = open_loggers(launch.logging, args.output_dir, run_config)
+            history = run_training(settings, config, on_step, tis_function=launch.tis_function_here(args),
+                                   tis_args=args)
+            if rank == 0 and history:
+                first, last = history[0], history[-1]
+                print(f"done: mean reward {first['reward_mean']:.3f} -> {last['reward_mean']:.3f}, exact answers "
+                      f"{first['exact_fraction']:.0%} -> {last['exact_fraction']:.0%}"
+                      + (f"; metrics in {args.output_dir}/metrics.jsonl" if args.output_dir else ""), flush=True)
+        finally:
+            if loggers is not None:
+                loggers.close()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    except BaseException as e:
+        signum = interrupt.received()
+        if signum is None:  # no signal: the error is the run's own
+            raise
+        # stopped by a signal: whatever the stop raised (in a peer's collective, say) is part of it, said in one line
+        interrupt.report(interrupted_message(signum, finished, settings.num_steps, args.output_dir)
+                         if rank == 0 else None)
+        raise Interrupted(signum) from (None if isinstance(e, Interrupted) else e)
 
 
-def _spawned_worker(rank: int, world: int, init_method: str, args: argparse.Namespace, launch: Launch) -> None:
-    """:func:`_worker` in a spawned process: an SGLang failure is said in one line and the process exits 1."""
+def _spawned_worker(rank: int, world: int, init_method: str, args: argparse.Namespace, launch: Launch,
+                    launcher_pid: Optional[int] = None) -> None:
+    """:func:`_worker` in a spawned process: it stops when the launcher (``launcher_pid``) dies, however it dies; an
+    SGLang failure is said in one line and the process exits 1; a signal ends it with ``128 + signal``."""
+    interrupt.install()
+    if launcher_pid is not None:
+        interrupt.die_with_parent(launcher_pid)
     try:
         _worker(rank, world, init_method, args, launch)
+    except Interrupted as e:
+        sys.exit(interrupt.exit_code(e.signum))
     except SGLangError as e:
         print(f"slime-rc train: error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
+
+
+def _run_spawned(args: argparse.Namespace, launch: Launch, store: str) -> int:
+    """``--nproc N > 1``: spawn the workers and wait for them.  A signal to the launcher stops them (SIGTERM, then
+    SIGKILL after :data:`~slime_rc.demo.train.interrupt.STOP_GRACE_S` s): no worker outlives it."""
+    import torch.multiprocessing as mp
+    context = None
+    try:
+        with interrupt.atomic():  # a signal while they start: every started worker is stopped below
+            context = mp.start_processes(_spawned_worker, args=(args.nproc, store, args, launch.for_spawned_workers(),
+                                                                os.getpid()),
+                                         nprocs=args.nproc, start_method="spawn", join=False)
+        while not context.join():
+            pass
+    except mp.ProcessExitedException as e:  # a worker said why (_spawned_worker) and exited
+        if e.exit_code in {interrupt.exit_code(s) for s in interrupt.SIGNALS}:
+            name = interrupt.signal_name(e.exit_code - 128)
+            print(f"slime-rc train: error: worker process {e.error_index} was stopped by {name} (not sent by this "
+                  f"launcher); the other workers are stopped", file=sys.stderr, flush=True)
+        elif e.exit_code != 1:
+            print(f"slime-rc train: error: worker process {e.error_index} exited with code {e.exit_code}",
+                  file=sys.stderr, flush=True)
+        return 1
+    except Interrupted as e:
+        processes = context.processes if context is not None else []
+        interrupt.stop_processes(processes)
+        codes = {interrupt.exit_code(s) for s in interrupt.SIGNALS}
+        if not processes or processes[0].exitcode not in codes:  # rank 0 did not say where the run stopped
+            interrupt.report(f"slime-rc train: interrupted by {e.name}; its {len(processes)} worker processes are "
+                             f"stopped")
+        interrupt.report(None)
+        return interrupt.exit_code(e.signum)
+    return 0
 
 
 # The flag whose function main() loads: argparse's own check of it while parsing would be a second load.
 _TIS_FUNCTION_FLAG = "--custom-tis-function-path"
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def _main(argv: Optional[List[str]] = None) -> int:
     parser = add_train_arguments(argparse.ArgumentParser(prog="slime-rc train", allow_abbrev=False))
     tis_flag = parser._option_string_actions.get(_TIS_FUNCTION_FLAG)  # argparse has no public lookup
     if tis_flag is not None:
@@ -269,13 +420,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
         check_layout(settings, args.nproc, int(os.environ["WORLD_SIZE"]) if torchrun else None)
         if "RANK" not in os.environ or os.environ.get("RANK") == "0":  # under torchrun rank 0 alone writes
-            check_output_dir(args.output_dir, args.overwrite)  # last: nothing else can refuse the launch after it
+            # last: nothing else can refuse the launch after it
+            check_output_dir(args.output_dir, args.overwrite, settings.dump_logprobs)
     except ValueError as e:
         print(f"slime-rc train: error: {e}", file=sys.stderr)
         return 2
     args.rollout_correction_config = resolution.config  # what the custom_tis adapters read (travels with args)
     launch = Launch(settings, resolution.config, sources=dict(resolution.sources), notes=list(resolution.notes),
                     tis_function=tis_function, logging=logging_plan)
+    if args.overwrite and ("RANK" not in os.environ or os.environ.get("RANK") == "0"):
+        removed = remove_previous_run(args.output_dir, settings.dump_logprobs)
+        if removed:
+            print(f"note: --overwrite: removed the previous run's {', '.join(removed)}", flush=True)
     try:
         if torchrun:
             _worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://", args, launch)
@@ -287,13 +443,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     except SGLangError as e:  # the server failed the run: one line, no traceback
         print(f"slime-rc train: error: {e}", file=sys.stderr, flush=True)
         return 1
-    import torch.multiprocessing as mp
+    return _run_spawned(args, launch, store)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``slime-rc train``.  SIGINT (Ctrl-C) and SIGTERM stop the run cleanly (:mod:`slime_rc.demo.train.interrupt`):
+    one line says where, and the exit status is ``128 + signal``."""
+    previous = interrupt.install()
     try:
-        mp.start_processes(_spawned_worker, args=(args.nproc, store, args, launch.for_spawned_workers()),
-                           nprocs=args.nproc, start_method="spawn")
-    except mp.ProcessExitedException as e:  # a worker said why (_spawned_worker) and exited
-        if e.exit_code != 1:
-            print(f"slime-rc train: error: worker process {e.error_index} exited with code {e.exit_code}",
-                  file=sys.stderr, flush=True)
-        return 1
-    return 0
+        return _main(argv)
+    except BaseException:
+        signum = interrupt.received()
+        if signum is None:
+            raise
+        interrupt.report(f"slime-rc train: interrupted by {interrupt.signal_name(signum)} before the run started")
+        return interrupt.exit_code(signum)
+    finally:
+        interrupt.restore(previous)
