@@ -14,7 +14,6 @@ Everything runs the real code (no mocks).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
@@ -22,6 +21,8 @@ import torch
 
 from slime_rc import RolloutCorrectionConfig, compute_policy_loss, cu_seqlens_from_lengths, parse_rejection_criteria
 from slime_rc.losses import ADVANTAGE_OVERFLOW_LIMIT, LOG_PROB_FLOOR
+from tests.loss_inputs import all_finite as _all_finite, call_loss as _call, loss_host_reads, loss_inputs, \
+    with_ as _with
 
 FP32_FLOOR = torch.finfo(torch.float32).min  # -3.4028e38: SGLang clamps log-probs here
 
@@ -48,34 +49,8 @@ SAMPLE, POSITION, TOKEN = 1, 2, 5
 SAMPLE_TOKENS = slice(3, 8)
 
 
-def _with(cfg, **kw):
-    return dataclasses.replace(cfg, **kw)
-
-
-def _inputs(n=12, seed=0, adv_sign=None):
-    g = torch.Generator().manual_seed(seed)
-    rollout = -torch.rand(n, generator=g) - 0.1
-    old = rollout + 0.05 * torch.randn(n, generator=g)
-    adv = torch.randn(n, generator=g)
-    if adv_sign is not None:
-        adv = adv.abs() * adv_sign
-    return dict(log_probs=(old + 0.05 * torch.randn(n, generator=g)), old_log_probs=old, rollout_log_probs=rollout,
-                advantages=adv, loss_mask=torch.ones(n), cu_seqlens=cu_seqlens_from_lengths(LENGTHS))
-
-
-def _call(cfg, inputs, **kw):
-    lp = inputs["log_probs"].detach().clone().requires_grad_(True)
-    loss, metrics = compute_policy_loss(lp, inputs["old_log_probs"], inputs["rollout_log_probs"],
-                                        inputs["advantages"], inputs["loss_mask"], inputs["cu_seqlens"], cfg, **kw)
-    loss.backward()
-    return loss.detach(), lp.grad, metrics
-
-
-def _all_finite(loss, grad, metrics):
-    assert torch.isfinite(loss), loss
-    assert grad is not None and torch.isfinite(grad).all(), grad
-    bad = {k: v for k, v in metrics.items() if not torch.isfinite(v).all()}
-    assert not bad, bad
+def _inputs(seed=0, adv_sign=None):
+    return loss_inputs(LENGTHS, seed=seed, adv_sign=adv_sign)
 
 
 def _error(cfg, inputs) -> str:
@@ -312,19 +287,14 @@ def test_reject_mode_with_a_precomputed_normalizer_drops_the_sequence_too():
 
 @pytest.mark.parametrize("mode", MODES)
 def test_the_new_checks_make_no_host_read_of_their_own(mode):
-    from slime_rc.testing.host_reads import HostReads
     cfg = _with(CONFIGS["bypass_reinforce"], on_nonfinite=mode)
     inputs = _inputs()
     inputs["log_probs"][TOKEN] = FP32_FLOOR
     if mode == "reject":
         inputs["advantages"][1] = 3e38
-    lp = inputs["log_probs"].clone().requires_grad_(True)
-    with HostReads(stack_depth=64) as reads:
-        loss, _ = compute_policy_loss(lp, inputs["old_log_probs"], inputs["rollout_log_probs"], inputs["advantages"],
-                                      inputs["loss_mask"], inputs["cu_seqlens"], cfg)
-    own = [e for e in reads.events if " raise_if_any:" not in e[2]]
+    loss, events, own = loss_host_reads(cfg, inputs)
     assert not own, own
-    assert len(reads.events) == (1 if mode == "error" else 0)
+    assert len(events) == (1 if mode == "error" else 0)
     assert torch.isfinite(loss)
 
 
