@@ -19,7 +19,7 @@ import math
 import pytest
 import torch
 
-from slime_rc import RolloutCorrectionConfig, compute_policy_loss, cu_seqlens_from_lengths, parse_rejection_criteria
+from slime_rc import RolloutCorrectionConfig, cu_seqlens_from_lengths, parse_rejection_criteria
 from slime_rc.losses import ADVANTAGE_OVERFLOW_LIMIT, LOG_PROB_FLOOR
 from tests.loss_inputs import all_finite as _all_finite, call_loss as _call, loss_host_reads, loss_inputs, \
     with_ as _with

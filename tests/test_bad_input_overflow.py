@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 
-from slime_rc import RolloutCorrectionConfig, compute_policy_loss, parse_rejection_criteria
+from slime_rc import RolloutCorrectionConfig, parse_rejection_criteria
 from tests.loss_inputs import all_finite as _all_finite, call_loss as _call, loss_host_reads, loss_inputs, \
     with_ as _with
 
