@@ -297,14 +297,19 @@ def compute_policy_loss(
     keep = mask if correction is None else correction.keep_mask.bool()
     # the values that reach the loss on a kept token: pi_theta, A and (PPO) pi_old
     used = (("log_probs", log_probs), ("advantages", advantages)) + (((old_name, old),) if ppo else ())
-    finite = torch.isfinite(log_probs.detach())
-    for _, values in used[1:]:
-        finite = finite & torch.isfinite(values.detach())
+    if reject:
+        finite = torch.isfinite(log_probs.detach())
+        for _, values in used[1:]:
+            finite = finite & torch.isfinite(values.detach())
+        live = keep & finite
+    else:
+        # error mode: a non-finite value on a kept token raises through the value checks, which are added before
+        # the overflow check below (the first flag set wins), so no second isfinite pass is needed to exclude it
+        live = keep
     adv32 = advantages.detach().float()  # the loss's precision: a float64 advantage past 3.4e38 is inf here
     w_applied = correction is not None and config.is_weights_applied and correction.is_weights is not None
     # absurd finite advantages: a bound on every intermediate of the token's loss term and gradient (log domain, no
     # overflow here), see ADVANTAGE_OVERFLOW_LIMIT; non-finite tokens are the other checks' (or rejected)
-    live = keep & finite
     lp_d = torch.where(live, log_probs.detach().float(), 0.0)
     if ppo:
         log_factor = (lp_d - torch.where(live, old.detach().float(), 0.0)).clamp(-config.safety_bound,
