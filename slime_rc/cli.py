@@ -1,7 +1,8 @@
 """The ``slime-rc`` command.
 
 ``slime-rc train [flags...]`` runs the main job (:mod:`slime_rc.demo.train.launch`); ``slime-rc plot RUN_DIR... -o
-FILE.png`` draws its curves (:mod:`slime_rc.demo.train.plot`); ``slime-rc analyze DUMP`` reports the mismatch of a log-prob
+FILE.png`` draws its curves, ``slime-rc plot STUDY_DIR -o FILE.png`` a study's mean over seeds per configuration
+(:mod:`slime_rc.demo.train.plot`); ``slime-rc analyze DUMP`` reports the mismatch of a log-prob
 dump (:mod:`slime_rc.tools.analyze`); ``slime-rc study estimators`` measures the estimators' bias and variance
 (:mod:`slime_rc.tools.estimators`), ``slime-rc study summary DIR`` summarises a mismatch study (:mod:`slime_rc.demo.train.study`).
 
@@ -261,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands.add_parser("train", help="run GRPO training with rollout correction (see slime-rc train --help)",
                         add_help=False)
-    commands.add_parser("plot", help="plot metrics.jsonl of runs (see slime-rc plot --help)", add_help=False)
+    commands.add_parser("plot", help="plot metrics.jsonl of runs, or of a study directory (see slime-rc plot --help)", add_help=False)
     commands.add_parser("analyze", help="mismatch report of a log-prob dump (see slime-rc analyze --help)",
                         add_help=False)
     commands.add_parser("study", help="'study estimators': bias/variance of the estimators; 'study summary DIR': "

@@ -1,7 +1,10 @@
 """A tiny real ``megatron.core.models.gpt.GPTModel`` under any parallel layout (TP, SP, PP, VPP, CP, DP), and one
 training step through megatron's own schedules, DDP wrapper and optimizer -- what a trainer and the tests need.
 
-Works on CPU/gloo (``apply_cpu_patches`` is applied by :func:`initialize_parallel`) and on GPU.
+Works on CPU/gloo (``apply_cpu_patches`` is applied by :func:`initialize_parallel`) and on GPU.  Two architectures
+(:class:`TinyGPTConfig`): the demo's GPT (the defaults: LayerNorm, GELU, biases) and Qwen2's (:data:`QWEN2_TINY`,
+:func:`qwen2_tiny`: RMSNorm, SwiGLU, q/k/v bias only, RoPE base 1e6, GQA), whose HF checkpoints
+``slime_rc.demo.hf_checkpoint`` converts, writes and loads (:func:`load_full_parameters` under any layout).
 
 Typical use (in every rank, after ``torch.distributed.init_process_group``)::
 
@@ -49,11 +52,13 @@ sizes:
 so every rank returns it.  The global batch is ``dp * M`` micro-batches.
 
 Weights: every parameter's *full* (unsharded) value is drawn from a generator seeded by ``(seed, global parameter
-name)`` and sharded by its megatron TP attributes, so the initial model is identical in every layout for the same
-seed.  megatron's own ``use_cpu_initialization`` is TP-invariant (it draws the full matrix, then splits it) but not
-PP-invariant (measured: with PP2 the weight matrices of the second stage's layers differ from the 1-process model,
-each stage draws its layers from the start of its own CPU stream); its biases / norm weights start at 0 / 1, which
-would leave their sharding untested, so they are drawn at random here too.
+name)`` and sharded by its megatron TP attributes (:func:`shard_full_parameter`; a gated MLP's ``linear_fc1``,
+``cat(gate, up)``, is split with megatron's partition stride 2, each rank holding ``cat(gate_r, up_r)``), so the
+initial model is identical in every layout for the same seed.  megatron's own ``use_cpu_initialization`` is
+TP-invariant (it draws the full matrix, then splits it) but not PP-invariant (measured: with PP2 the weight
+matrices of the second stage's layers differ from the 1-process model, each stage draws its layers from the start of
+its own CPU stream); its biases / norm weights start at 0 / 1, which would leave their sharding untested, so they are
+drawn at random here too.
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from slime_rc.demo.cpu_patches import apply_cpu_patches
 
@@ -105,6 +111,23 @@ def megatron_fallbacks_line() -> Optional[str]:
 # ---------------------------------------------------------------------------------------------------------------
 @dataclass
 class TinyGPTConfig:
+    """The demo model's architecture and sizes.  The defaults are the demo's own GPT (LayerNorm, GELU MLP, a bias on
+    every linear layer, RoPE base 10000); :data:`QWEN2_TINY` / :func:`qwen2_tiny` set the architecture fields to
+    Qwen2's (RMSNorm, SwiGLU, q/k/v bias only, RoPE base 1e6, grouped-query attention).
+
+    Architecture fields (megatron ``TransformerConfig`` field in brackets):
+
+    * ``normalization`` (``normalization``): ``"LayerNorm"`` -- ``(x - mean) / sqrt(var + eps) * w + b`` -- or
+      ``"RMSNorm"`` -- ``x / sqrt(mean(x^2) + eps) * w`` (no bias); ``norm_epsilon`` is ``eps``
+      (``layernorm_epsilon``).
+    * ``gated_linear_unit`` (``gated_linear_unit``) with ``activation`` (``activation_func``, ``"gelu"`` or
+      ``"silu"``): MLP ``fc2(act(fc1(x)))``, or gated ``fc2(act(g) * u)`` with ``[g, u] = fc1(x)`` split in halves
+      (``linear_fc1.weight`` ``[2 * ffn_hidden_size, hidden_size]`` is ``cat(gate, up)``; SwiGLU = gated + silu).
+    * ``add_bias_linear`` (``add_bias_linear``): a bias on every linear layer; ``add_qkv_bias`` (``add_qkv_bias``):
+      a bias on ``linear_qkv`` even without ``add_bias_linear`` (Qwen2: q/k/v bias, none on ``o_proj`` / the MLP).
+    * ``rotary_base`` (``GPTModel(rotary_base=...)``; HF's ``rope_theta``): ``inv_freq_i = base ** (-2 i / hn)``.
+    """
+
     vocab_size: int = 128  # must be divisible by tp
     hidden_size: int = 64
     num_layers: int = 4  # must be divisible by pp * vpp
@@ -116,6 +139,58 @@ class TinyGPTConfig:
     num_query_groups: Optional[int] = None  # GQA; None = MHA
     tie_embeddings: bool = False
     init_std: float = 0.02
+    normalization: str = "LayerNorm"  # or "RMSNorm"
+    norm_epsilon: float = 1e-5  # TransformerConfig.layernorm_epsilon's default
+    gated_linear_unit: bool = False
+    activation: str = "gelu"  # or "silu"
+    add_bias_linear: bool = True
+    add_qkv_bias: bool = False
+    rotary_base: float = 10000  # an int by default, as GPTModel's own default (same inv_freq bits)
+
+    def __post_init__(self):
+        if self.normalization not in NORMALIZATIONS:
+            raise ValueError(f"TinyGPTConfig(normalization={self.normalization!r}): not a norm the demo builds; "
+                             f"give one of {', '.join(map(repr, NORMALIZATIONS))}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"TinyGPTConfig(activation={self.activation!r}): not an activation the demo builds; "
+                             f"give one of {', '.join(map(repr, ACTIVATIONS))}")
+        if not (isinstance(self.norm_epsilon, (int, float)) and self.norm_epsilon > 0):
+            raise ValueError(f"TinyGPTConfig(norm_epsilon={self.norm_epsilon!r}): must be a number > 0 (LayerNorm's "
+                             f"default 1e-5, Qwen2's rms_norm_eps 1e-6)")
+        if not (isinstance(self.rotary_base, (int, float)) and self.rotary_base > 1):
+            raise ValueError(f"TinyGPTConfig(rotary_base={self.rotary_base!r}): must be a number > 1 (10000 by "
+                             f"default, Qwen2's rope_theta 1e6)")
+
+    @property
+    def has_qkv_bias(self) -> bool:
+        """``linear_qkv`` has a bias (megatron: ``add_bias_linear or add_qkv_bias``)."""
+        return bool(self.add_bias_linear or self.add_qkv_bias)
+
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+ACTIVATIONS = ("gelu", "silu")
+
+# Qwen2's architecture at the demo task's size (vocab 16): RMSNorm (eps 1e-6), SwiGLU, q/k/v bias only, RoPE base
+# 1e6 (Qwen2's rope_theta), 4 query heads in 2 key/value groups, untied embeddings.
+QWEN2_ARCHITECTURE = dict(normalization="RMSNorm", norm_epsilon=1e-6, gated_linear_unit=True, activation="silu",
+                          add_bias_linear=False, add_qkv_bias=True, rotary_base=1000000.0)
+
+
+def qwen2_tiny(**overrides) -> TinyGPTConfig:
+    """A Qwen2-architecture :class:`TinyGPTConfig` (:data:`QWEN2_ARCHITECTURE`); the sizes default to vocab 16,
+    hidden 64, 2 layers, 4 heads in ``heads // 2`` key/value groups (GQA with 2 query heads per group; MHA when the
+    head count is odd), ``ffn_hidden_size = 2 * hidden`` (a SwiGLU's ``fc1`` is twice that wide).  ``overrides``:
+    any field, sizes included (the groups follow a new ``num_attention_heads`` unless given)."""
+    heads = overrides.get("num_attention_heads", 4)
+    hidden = overrides.get("hidden_size", 64)
+    fields = dict(vocab_size=16, hidden_size=hidden, num_layers=2, num_attention_heads=heads,
+                  num_query_groups=heads // 2 if heads % 2 == 0 else heads, ffn_hidden_size=2 * hidden,
+                  **QWEN2_ARCHITECTURE)
+    fields.update(overrides)
+    return TinyGPTConfig(**fields)
+
+
+QWEN2_TINY = qwen2_tiny()
 
 
 @dataclass(frozen=True)
@@ -223,6 +298,30 @@ class SequenceParallelLayerNorm(torch.nn.LayerNorm):
             setattr(p, "sequence_parallel", bool(config.sequence_parallel))
 
 
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """``torch.nn.RMSNorm`` -- ``y = x / sqrt(mean(x^2, last dim) + eps) * weight`` -- with megatron's norm
+    constructor signature, its weight carrying ``sequence_parallel`` like :class:`SequenceParallelLayerNorm`'s (the
+    RMSNorm that megatron's ``WrappedTorchNorm`` would build, which refuses sequence parallelism)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                 zero_centered_gamma: bool = False, normalization: str = "RMSNorm"):
+        if config.normalization != "RMSNorm" or zero_centered_gamma:
+            raise NotImplementedError("plain RMSNorm only")
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        for p in self.parameters():
+            setattr(p, "sequence_parallel", bool(config.sequence_parallel))
+
+
+def norm_class(cfg: Optional[TinyGPTConfig] = None):
+    """The layer-norm class of ``cfg``'s layers and final norm: :class:`SequenceParallelLayerNorm` or
+    :class:`SequenceParallelRMSNorm` (``cfg=None``: the default config's)."""
+    normalization = cfg.normalization if cfg is not None else TinyGPTConfig.normalization
+    return SequenceParallelRMSNorm if normalization == "RMSNorm" else SequenceParallelLayerNorm
+
+
+_ACTIVATION_FUNCS = {"gelu": F.gelu, "silu": F.silu}  # TransformerConfig's default activation_func is F.gelu
+
+
 def transformer_config(cfg: TinyGPTConfig, layout: Optional[ParallelLayout] = None, *,
                        calculate_per_token_loss: bool = True):
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -241,6 +340,9 @@ def transformer_config(cfg: TinyGPTConfig, layout: Optional[ParallelLayout] = No
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
         calculate_per_token_loss=calculate_per_token_loss,
+        normalization=cfg.normalization, layernorm_epsilon=cfg.norm_epsilon,
+        gated_linear_unit=cfg.gated_linear_unit, activation_func=_ACTIVATION_FUNCS[cfg.activation],
+        add_bias_linear=cfg.add_bias_linear, add_qkv_bias=cfg.add_qkv_bias,
         # gloo: batched isend/irecv can swap two messages to the same neighbour (PP=2 with VPP: silently wrong)
         batch_p2p_comm=not gloo,
         **_no_cuda_graph_scope_warning(TransformerConfig),
@@ -256,15 +358,18 @@ def _no_cuda_graph_scope_warning(config_class) -> dict:
             if name in defaults and defaults[name].default == "full"}
 
 
-def layer_spec():
-    """``get_gpt_layer_local_spec()`` with the CP-capable core attention and SP-compatible layer norms."""
+def layer_spec(cfg: Optional[TinyGPTConfig] = None):
+    """``get_gpt_layer_local_spec()`` with the CP-capable core attention and SP-compatible layer norms (``cfg``'s
+    normalization: :func:`norm_class`; the local spec's linear layers follow the ``TransformerConfig``, so
+    SwiGLU and the bias flags need nothing here)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from slime_rc.demo.cp_attention import default_core_attention
 
     spec = copy.deepcopy(get_gpt_layer_local_spec())
-    spec.submodules.input_layernorm = SequenceParallelLayerNorm
-    spec.submodules.pre_mlp_layernorm = SequenceParallelLayerNorm
+    norm = norm_class(cfg)
+    spec.submodules.input_layernorm = norm
+    spec.submodules.pre_mlp_layernorm = norm
     spec.submodules.self_attention.submodules.core_attention = default_core_attention()
     return spec
 
@@ -285,20 +390,21 @@ def build_model(cfg: TinyGPTConfig = TinyGPTConfig(), *, calculate_per_token_los
     if cfg.num_layers % (layout.pp * (layout.vpp or 1)):
         raise ValueError(f"num_layers={cfg.num_layers} must be divisible by pp*vpp={layout.pp * (layout.vpp or 1)}")
     config = transformer_config(cfg, layout, calculate_per_token_loss=calculate_per_token_loss)
-    spec = layer_spec()
+    spec = layer_spec(cfg)
     chunks = []
     for vp_stage in range(layout.vpp or 1):
         vp = vp_stage if layout.vpp else None
         block = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp),
-                                           layer_norm=SequenceParallelLayerNorm)
+                                           layer_norm=norm_class(cfg))
         model = GPTModel(
             config=config, transformer_layer_spec=block, vocab_size=cfg.vocab_size,
             max_sequence_length=cfg.max_seq_len,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
             parallel_output=True, share_embeddings_and_output_weights=cfg.tie_embeddings,
-            position_embedding_type="rope", vp_stage=vp)
+            position_embedding_type="rope", rotary_base=cfg.rotary_base, vp_stage=vp)
         _init_weights(model, cfg)
+        model.tiny_gpt_config = cfg  # read back by config_of() (e.g. to check a checkpoint's architecture)
         chunks.append(model)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                use_distributed_optimizer=False)
@@ -350,11 +456,87 @@ def global_parameter_names(chunk) -> Dict[str, torch.nn.Parameter]:
     return out
 
 
+def parameter_shapes(cfg: TinyGPTConfig) -> Dict[str, tuple]:
+    """``{global name: full shape}`` of :func:`full_parameters` of ``build_model(cfg)`` (every layout gives the
+    same), in megatron's order.  With ``h`` hidden, ``F`` ffn, ``hn = h / nh``, ``ng`` query groups (``nh`` when
+    None): ``embedding.word_embeddings.weight [V, h]``; per layer ``l``: ``decoder.layers.<l>.input_layernorm.weight
+    [h]`` (+ ``.bias`` with LayerNorm), ``self_attention.linear_qkv.weight [(nh + 2 ng) hn, h]`` (+ ``.bias`` when
+    ``cfg.has_qkv_bias``), ``self_attention.linear_proj.weight [h, h]``, ``pre_mlp_layernorm``,
+    ``mlp.linear_fc1.weight [F or 2F (gated), h]``, ``mlp.linear_fc2.weight [h, F]`` (+ ``.bias`` of proj / fc1 /
+    fc2 with ``add_bias_linear``); ``decoder.final_layernorm``; ``output_layer.weight [V, h]`` unless tied."""
+    h, nh = cfg.hidden_size, cfg.num_attention_heads
+    ng = cfg.num_query_groups or nh
+    hn = h // nh
+    fc1 = cfg.ffn_hidden_size * (2 if cfg.gated_linear_unit else 1)
+    norm_bias = cfg.normalization == "LayerNorm"
+    out = {"embedding.word_embeddings.weight": (cfg.vocab_size, h)}
+
+    def norm(prefix):
+        out[prefix + ".weight"] = (h,)
+        if norm_bias:
+            out[prefix + ".bias"] = (h,)
+
+    for i in range(cfg.num_layers):
+        pre = f"decoder.layers.{i}."
+        norm(pre + "input_layernorm")
+        out[pre + "self_attention.linear_qkv.weight"] = ((nh + 2 * ng) * hn, h)
+        if cfg.has_qkv_bias:
+            out[pre + "self_attention.linear_qkv.bias"] = ((nh + 2 * ng) * hn,)
+        out[pre + "self_attention.linear_proj.weight"] = (h, nh * hn)
+        if cfg.add_bias_linear:
+            out[pre + "self_attention.linear_proj.bias"] = (h,)
+        norm(pre + "pre_mlp_layernorm")
+        out[pre + "mlp.linear_fc1.weight"] = (fc1, h)
+        if cfg.add_bias_linear:
+            out[pre + "mlp.linear_fc1.bias"] = (fc1,)
+        out[pre + "mlp.linear_fc2.weight"] = (h, cfg.ffn_hidden_size)
+        if cfg.add_bias_linear:
+            out[pre + "mlp.linear_fc2.bias"] = (h,)
+    norm("decoder.final_layernorm")
+    if not cfg.tie_embeddings:
+        out["output_layer.weight"] = (cfg.vocab_size, h)
+    return out
+
+
+def config_of(model: List[torch.nn.Module]) -> TinyGPTConfig:
+    """The :class:`TinyGPTConfig` that :func:`build_model` built ``model`` (its chunks) from."""
+    cfg = getattr(_unwrap(model[0]), "tiny_gpt_config", None)
+    if cfg is None:
+        raise ValueError("config_of: the model was not built by slime_rc.demo.model.build_model (no "
+                         "tiny_gpt_config on its first chunk); pass the TinyGPTConfig explicitly")
+    return cfg
+
+
 def _full_shape(p: torch.Tensor, tp: int):
     shape = list(p.shape)
     if getattr(p, "tensor_model_parallel", False):
         shape[p.partition_dim] *= tp
     return shape
+
+
+def shard_full_parameter(full: torch.Tensor, p: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
+    """This TP rank's shard of a parameter's full value ``full`` (``_full_shape(p, tp)``), by ``p``'s megatron TP
+    attributes: unsharded when not ``tensor_model_parallel``; else ``full`` is cut along ``partition_dim`` into
+    ``tp * stride`` equal blocks and rank ``r`` holds blocks ``r, r + tp, ..., r + (stride - 1) * tp`` concatenated
+    (megatron's ``_initialize_affine_weight_cpu``).  Stride 2 is a gated MLP's ``linear_fc1``: full
+    ``cat(gate, up)`` ``[2F, h]``, rank ``r`` holds ``cat(gate_r, up_r)`` ``[2F / tp, h]``, the halves its
+    ``chunk(2)`` in the forward splits."""
+    if not getattr(p, "tensor_model_parallel", False) or tp == 1:
+        return full
+    stride = getattr(p, "partition_stride", 1)
+    if stride == 1:
+        return full.chunk(tp, dim=p.partition_dim)[tp_rank]
+    blocks = full.chunk(tp * stride, dim=p.partition_dim)
+    return torch.cat(blocks[tp_rank::tp], dim=p.partition_dim)
+
+
+def _unshard(parts: List[torch.Tensor], p: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`shard_full_parameter`: the TP ranks' shards ``parts`` (rank order) -> the full value."""
+    stride = getattr(p, "partition_stride", 1)
+    if stride == 1:
+        return torch.cat(parts, dim=p.partition_dim)
+    pieces = [part.chunk(stride, dim=p.partition_dim) for part in parts]
+    return torch.cat([pieces[r][s] for s in range(stride) for r in range(len(parts))], dim=p.partition_dim)
 
 
 def _init_weights(model, cfg: TinyGPTConfig) -> None:
@@ -372,11 +554,30 @@ def _init_weights(model, cfg: TinyGPTConfig) -> None:
                 full = 0.02 * noise  # biases (not 0, same reason)
             else:
                 full = cfg.init_std * noise
-            if getattr(p, "tensor_model_parallel", False) and tp > 1:
-                if getattr(p, "partition_stride", 1) != 1:
-                    raise NotImplementedError(f"{name}: partition_stride {p.partition_stride}")
-                full = full.chunk(tp, dim=p.partition_dim)[tp_rank]
-            p.copy_(full.to(p.dtype))
+            p.copy_(shard_full_parameter(full, p, tp, tp_rank).to(p.dtype))
+
+
+def load_full_parameters(model: List[torch.nn.Module], params: Dict[str, torch.Tensor]) -> None:
+    """Copy full (unsharded) values ``{global name: tensor}`` -- :func:`full_parameters`' format -- into this
+    rank's parameters of every chunk of ``model``, each sharded by its TP attributes (:func:`shard_full_parameter`)
+    and cast to the parameter's dtype.  Every parameter of this rank's chunks must be in ``params`` with its full
+    shape (a KeyError / ValueError names it); extra names (other pipeline stages' layers) are ignored.  Local, no
+    collective.  Call it before :func:`build_optimizer` (an optimizer keeping fp32 main copies would not see it)."""
+    from megatron.core import parallel_state as ps
+
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        for chunk in model:
+            for name, p in global_parameter_names(chunk).items():
+                if name not in params:
+                    raise KeyError(f"load_full_parameters: {name!r} is missing from the given parameters (the model "
+                                   f"has it); give every name full_parameters(model) returns")
+                full = params[name]
+                if list(full.shape) != _full_shape(p, tp):
+                    raise ValueError(f"load_full_parameters: {name!r} has shape {tuple(full.shape)}, the model's "
+                                     f"full shape is {tuple(_full_shape(p, tp))}; the weights are from a model of "
+                                     f"other sizes")
+                p.copy_(shard_full_parameter(full.to(p.device), p, tp, tp_rank).to(p.dtype))
 
 
 def full_parameters(model: List[torch.nn.Module]) -> Dict[str, torch.Tensor]:
@@ -393,7 +594,7 @@ def full_parameters(model: List[torch.nn.Module]) -> Dict[str, torch.Tensor]:
             if getattr(p, "tensor_model_parallel", False) and tp > 1:
                 parts = [torch.empty_like(t) for _ in range(tp)]
                 dist.all_gather(parts, t.contiguous(), group=tp_group)
-                t = torch.cat(parts, dim=p.partition_dim)
+                t = _unshard(parts, p)
             local.setdefault(name, t.clone())
     if ps.get_pipeline_model_parallel_world_size() == 1:
         return local

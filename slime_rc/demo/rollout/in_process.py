@@ -41,10 +41,23 @@ At each generated position, with ``z`` the last-position logits (``dtype``) and 
     y      = z.float() / T                                           (fp32, the tempered logits)
     p      = softmax(y)
     y'     = y + logit_noise * (1 - p) ** 2 * eps,  eps ~ N(0, 1) iid per vocabulary entry and position
-    logq   = max(log_softmax(y'), finfo(dtype).min)                 (the rollout engine's full distribution, no -inf)
+    logp   = log_softmax(y')
+    logq   = log((1 - V * f) * exp(logp) + f)   if prob_floor f > 0  (mixture with the uniform distribution)
+           = max(logp, finfo(dtype).min)         if f = 0             (the rollout engine's full distribution, no -inf)
     sample ~ softmax(y') restricted to the top-p nucleus and renormalised (SGLang's rule: in sorted order, keep
              token i iff cumsum_i - q_i <= top_p; the most probable token is always kept)
     rollout_log_prob = logq[sample]                                  (full distribution, NOT renormalised over top-p)
+
+The probability floor (``prob_floor`` f, ``--rollout-prob-floor``): ``q = (1 - V f) p + f`` with ``V`` the vocabulary
+size, i.e. a mixture of the engine's distribution ``p`` (weight ``1 - V f``) and the uniform distribution (weight
+``V f``).  It sums to 1 exactly, every entry has ``q >= f``, and the order of the tokens is kept; it needs
+``0 <= f < 1 / V`` (``V f < 1``).  Computed as ``logaddexp(log(1 - V f) + logp, log f)`` (no underflow), and the
+reported rollout log-prob is ``log q`` of the sampled token.  It models an inference engine that keeps sampling tail
+tokens the trainer has driven towards probability 0 (a sampler that never gives a token less than f; smoothing in a
+low-precision softmax): the trainer's ``log p`` of such a token goes to -inf while the rollout's ``log q`` stays at
+``log f``, so the token ratio ``p / q`` of those tokens goes to 0 and, without correction, the policy gradient keeps
+pushing the tail down on samples the trainer would (almost) never draw -- the mismatch under which uncorrected GRPO
+collapses in ``docs/results.md``.  With ``f = 0`` (the default) nothing changes.
 
 The noise term ``sigma * (1 - p_v)^2`` leaves probable tokens almost untouched (p = 0.9: 1% of sigma) and perturbs
 improbable ones by ~sigma in tempered-logit units, so the mismatch concentrates on low-probability tokens, as the
@@ -78,7 +91,10 @@ from typing import Deque, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-__all__ = ["TorchGPT", "RolloutEngine", "DTYPES", "resolve_dtype", "sampling_mask", "LAYERNORM_EPS", "ROTARY_BASE"]
+from slime_rc.demo.rollout.torch_qwen2 import TorchQwen2, is_default_architecture
+
+__all__ = ["TorchGPT", "RolloutEngine", "DTYPES", "resolve_dtype", "sampling_mask", "floor_log_probs", "check_prob_floor",
+           "LAYERNORM_EPS", "ROTARY_BASE", "forward_class"]
 
 LAYERNORM_EPS = 1e-5  # TransformerConfig.layernorm_epsilon default (build_model does not change it)
 ROTARY_BASE = 10000.0  # GPTModel(rotary_base=10000) default; TransformerConfig has no rotary_base field
@@ -209,6 +225,33 @@ class TorchGPT:
         return lp.gather(-1, tokens[:, 1:].to(lp.device).unsqueeze(-1)).squeeze(-1)
 
 
+def check_prob_floor(prob_floor: float, vocab_size: int) -> None:
+    """``ValueError`` unless ``0 <= prob_floor < 1 / vocab_size`` (a finite number): the floor is given to every
+    vocabulary entry, so ``vocab_size * prob_floor`` must stay below 1."""
+    ok = (isinstance(prob_floor, (int, float)) and not isinstance(prob_floor, bool) and math.isfinite(prob_floor)
+          and 0.0 <= prob_floor < 1.0 / vocab_size)
+    if not ok:
+        raise ValueError(f"prob_floor={prob_floor!r} must be a finite number in [0, 1/{vocab_size}) = "
+                         f"[0, {1.0 / vocab_size:g}): it is given to each of the {vocab_size} vocabulary entries")
+
+
+def floor_log_probs(logp: torch.Tensor, prob_floor: float) -> torch.Tensor:
+    """``log q`` with ``q = (1 - V f) p + f`` over the last dim (``V`` its size, ``f = prob_floor``) from a normalised
+    log-distribution ``logp [..., V]``: ``q`` sums to 1 and every entry is ``>= f`` (module docstring)."""
+    v = logp.shape[-1]
+    check_prob_floor(prob_floor, v)
+    if prob_floor == 0:
+        return logp
+    return torch.logaddexp(logp + math.log1p(-v * prob_floor), torch.full_like(logp, math.log(prob_floor)))
+
+
+def forward_class(cfg):
+    """The pure-torch forward for ``cfg``: :class:`TorchGPT` for the demo GPT's architecture (the
+    ``TinyGPTConfig`` defaults), ``TorchQwen2`` (``slime_rc.demo.rollout.torch_qwen2``) for Qwen2's or any other.
+    Both are called ``cls(full_parameters, cfg, dtype, device)``."""
+    return TorchGPT if is_default_architecture(cfg) else TorchQwen2
+
+
 def sampling_mask(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """``probs [N, V]`` -> bool ``[N, V]``: the top-p nucleus by SGLang's rule (sorted descending, keep token i iff
     ``cumsum_i - p_i <= top_p``; the most probable token is always kept)."""
@@ -226,12 +269,14 @@ class RolloutEngine:
     Knobs: ``dtype`` (``"fp32"``/``"bf16"``/``"fp16"``: weights and forward in that precision), ``stale_steps``
     (generate with the weights of ``stale_steps`` syncs ago), ``logit_noise`` (sigma of the improbable-token logit
     noise, seeded by ``noise_seed``), ``temperature`` (> 0) and ``top_p`` (sampling only; log-probs are the full
-    distribution's), ``seed`` (the sampling generator).  ``device``: where the rollout engine's copy of the model runs.
+    distribution's), ``seed`` (the sampling generator), ``prob_floor`` (f: sample from and report
+    ``q = (1 - V f) p + f``, module docstring; ``0 <= f < 1 / V``, 0 = off).  ``device``: where the rollout engine's
+    copy of the model runs.
     """
 
     def __init__(self, cfg, *, dtype: Union[str, torch.dtype] = "fp32", stale_steps: int = 0,
                  logit_noise: float = 0.0, noise_seed: int = 0, temperature: float = 1.0, top_p: float = 1.0,
-                 seed: int = 0, device: Union[str, torch.device, None] = None):
+                 seed: int = 0, device: Union[str, torch.device, None] = None, prob_floor: float = 0.0):
         if not temperature > 0 or not math.isfinite(temperature):
             raise ValueError(f"temperature={temperature!r} must be a finite number > 0 (greedy decoding, SGLang's "
                              "temperature 0, has no matching trainer log-probs; use a small temperature)")
@@ -241,6 +286,8 @@ class RolloutEngine:
             raise ValueError(f"stale_steps={stale_steps!r} must be an integer >= 0")
         if not logit_noise >= 0:
             raise ValueError(f"logit_noise={logit_noise!r} must be >= 0")
+        check_prob_floor(prob_floor, cfg.vocab_size)
+        self.prob_floor = float(prob_floor)
         self.cfg = cfg
         self.dtype = resolve_dtype(dtype)
         self.stale_steps = int(stale_steps)
@@ -248,20 +295,21 @@ class RolloutEngine:
         self.temperature = float(temperature)
         self.top_p = float(top_p)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self._versions: Deque[Tuple[int, TorchGPT]] = deque(maxlen=self.stale_steps + 1)
+        self._versions: Deque[Tuple[int, Union[TorchGPT, TorchQwen2]]] = deque(maxlen=self.stale_steps + 1)
         self._syncs = 0
         self._sample_gen = torch.Generator(device=self.device).manual_seed(seed)
         self._noise_gen = torch.Generator(device=self.device).manual_seed(noise_seed)
 
     # -- weights -------------------------------------------------------------------------------------------------
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> int:
-        """Weight sync from the trainer (``full_parameters(model)``); returns this sync's version number."""
-        self._versions.append((self._syncs, TorchGPT(state_dict, self.cfg, self.dtype, self.device)))
+        """Weight sync from the trainer (``full_parameters(model)``); returns this sync's version number.  The forward
+        is the config's (:func:`forward_class`: :class:`TorchGPT` for the demo's GPT, ``TorchQwen2`` for Qwen2's)."""
+        self._versions.append((self._syncs, forward_class(self.cfg)(state_dict, self.cfg, self.dtype, self.device)))
         self._syncs += 1
         return self._syncs - 1
 
     @property
-    def model(self) -> TorchGPT:
+    def model(self) -> Union[TorchGPT, TorchQwen2]:
         """The model generating now: the one loaded ``stale_steps`` syncs ago (or the oldest kept)."""
         return self._active()[1]
 
@@ -269,7 +317,7 @@ class RolloutEngine:
     def weight_version(self) -> int:
         return self._active()[0]
 
-    def _active(self) -> Tuple[int, TorchGPT]:
+    def _active(self) -> Tuple[int, Union[TorchGPT, TorchQwen2]]:
         if not self._versions:
             raise RuntimeError("no weights: call load_weights(full_parameters(model)) first")
         return self._versions[0]  # deque of the last stale_steps + 1 versions: [0] is stale_steps syncs back
@@ -282,7 +330,10 @@ class RolloutEngine:
             p = torch.softmax(y, dim=-1)
             eps = torch.randn(y.shape, generator=self._noise_gen, device=y.device, dtype=torch.float32)
             y = y + self.logit_noise * (1.0 - p) ** 2 * eps
-        return torch.log_softmax(y, dim=-1).clamp(min=torch.finfo(self.dtype).min)
+        logp = torch.log_softmax(y, dim=-1)
+        if self.prob_floor > 0:
+            return floor_log_probs(logp, self.prob_floor)
+        return logp.clamp(min=torch.finfo(self.dtype).min)
 
     def _sample(self, logq: torch.Tensor) -> torch.Tensor:
         q = logq.exp()

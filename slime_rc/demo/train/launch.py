@@ -51,7 +51,8 @@ from slime_rc.sglang_output import check_sampling_consistency
 from slime_rc.demo.train import interrupt
 from slime_rc.demo.train.interrupt import Interrupted
 from slime_rc.demo.train.loggers import LoggingPlan, add_logging_arguments, open_loggers, plan_logging
-from slime_rc.demo.train.loop import TrainSettings, run_training, settings_dict
+from slime_rc.demo.train.loop import MODELS, TrainSettings, run_training, settings_dict
+from slime_rc.demo.train.study import run_summary, summary_lines, write_summary
 
 # flag -> TrainSettings field (Megatron's spelling for the parallel sizes)
 _FLAGS = {"--tensor-model-parallel-size": "tp", "--pipeline-model-parallel-size": "pp",
@@ -60,7 +61,9 @@ _FLAGS = {"--tensor-model-parallel-size": "tp", "--pipeline-model-parallel-size"
           "--task": "task", "--digits": "digits", "--prompts-per-step": "prompts_per_step",
           "--group-size": "group_size", "--micro-batches": "micro_batches", "--rollout-temperature": "temperature",
           "--top-p": "top_p", "--rollout-dtype": "rollout_dtype", "--stale-steps": "stale_steps",
-          "--logit-noise": "logit_noise", "--hidden-size": "hidden_size", "--num-layers": "num_layers",
+          "--logit-noise": "logit_noise", "--rollout-prob-floor": "rollout_prob_floor",
+          "--warm-start-steps": "warm_start_steps", "--model": "model",
+          "--hf-checkpoint": "hf_checkpoint", "--hidden-size": "hidden_size", "--num-layers": "num_layers",
           "--rollout-engine": "rollout_engine", "--sglang-url": "sglang_url", "--sglang-timeout": "sglang_timeout",
           "--decoupled-metrics": "decoupled_metrics", "--dump-logprobs": "dump_logprobs"}
 
@@ -89,8 +92,28 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
             g.add_argument(flag, dest=name, type=float, default=default, metavar="SECONDS",
                            help=f"seconds to wait for SGLang's answer to one /generate (default {default}; the "
                                 f"connection itself must open within 5 s)")
+        elif name == "rollout_prob_floor":
+            g.add_argument(flag, dest=name, type=float, default=default, metavar="F",
+                           help="in-process rollout engine: sample from and report q = (1 - V*F) p + F, a "
+                                f"probability floor F on every vocabulary entry (default {default}: off)")
+        elif name == "warm_start_steps":
+            g.add_argument(flag, dest=name, type=int, default=default, metavar="N",
+                           help="supervised steps on the correct answers (cross-entropy on answer + EOS) before the "
+                                f"GRPO steps (default {default})")
+        elif name == "model":
+            g.add_argument(flag, dest=name, choices=MODELS, default=default,
+                           help="the trained model: tiny-gpt (the demo's GPT: LayerNorm, GELU, biases) or qwen2-tiny "
+                                "(Qwen2's architecture: RMSNorm, SwiGLU, q/k/v bias, RoPE base 1e6, grouped-query "
+                                f"attention) at --hidden-size / --num-layers (default {default})")
+        elif name == "hf_checkpoint":
+            g.add_argument(flag, dest=name, default=None, metavar="DIR",
+                           help="with --model qwen2-tiny: start from this HF Qwen2 checkpoint directory (config.json + "
+                                "model.safetensors or pytorch_model.bin); its config.json sets the model's sizes")
         elif name == "rollout_engine":
-            g.add_argument(flag, dest=name, choices=("torch", "sglang"), default=default)
+            g.add_argument(flag, dest=name, choices=("torch", "sglang", "vllm"), default=default,
+                           help="torch: the in-process pure-torch engine; sglang: an SGLang server (--sglang-url); "
+                                "vllm: vLLM in this process serving the Qwen2-architecture model (pip install "
+                                "'slime-rc[vllm]' on a CPU machine; docs/train.md)")
         else:
             kind = {"int": int, "float": float, "str": str}[str(types[name])]
             g.add_argument(flag, dest=name, type=kind, default=default, help=f"default {default}")
@@ -109,6 +132,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 
 # the files a run writes into --output-dir that a second run would replace (metrics.jsonl is truncated at open)
 RUN_FILES = ("metrics.jsonl", "config.json")
+SUMMARY_FILE = "summary.json"  # the end-of-run summary (slime_rc.demo.train.study.run_summary)
 TENSORBOARD_FILES = "events.out.tfevents.*"  # SummaryWriter's event files (a second run would add its own beside them)
 WANDB_FOLDER = "wandb"  # wandb.init(dir=--output-dir) makes --output-dir/wandb/ (a second run would add its run there)
 DUMP_FILES = "step_*.jsonl"  # --dump-logprobs DIR/step_NNNNNN.jsonl (a second run would replace some, keep others)
@@ -119,7 +143,7 @@ def previous_run_files(output_dir: Optional[str]) -> List[str]:
     the ``wandb/`` folder."""
     if not output_dir or not os.path.isdir(output_dir):
         return []
-    found = [name for name in RUN_FILES if os.path.exists(os.path.join(output_dir, name))]
+    found = [name for name in RUN_FILES + (SUMMARY_FILE,) if os.path.exists(os.path.join(output_dir, name))]
     found += sorted(os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(output_dir), TENSORBOARD_FILES)))
     if os.path.isdir(os.path.join(output_dir, WANDB_FOLDER)):
         found.append(WANDB_FOLDER)
@@ -135,7 +159,7 @@ def previous_dump_files(dump_dir: Optional[str]) -> List[str]:
 
 def _describe(found: List[str]) -> str:
     """The found files in words: the run files by name first (they alone, when present), then the others."""
-    named = [n for n in found if n in RUN_FILES]
+    named = [n for n in found if n in RUN_FILES] or [n for n in found if n == SUMMARY_FILE]
     if not named:
         events = sum(n.startswith("events.out.tfevents.") for n in found)
         if events:
@@ -198,6 +222,12 @@ def check_layout(settings: TrainSettings, nproc: int, world: Optional[int] = Non
         if world % need:
             raise ValueError(f"torchrun's WORLD_SIZE {world} is not a multiple of tp*pp*cp = {need}; data parallel "
                              f"is WORLD_SIZE / (tp*pp*cp)")
+    if s.rollout_engine == "vllm" and world > 1:
+        # measured: vLLM built in rank 0 of a 2-process gloo job (CP=2, samples broadcast) hangs at its start; it
+        # takes the process's default group for its own
+        raise ValueError(f"--rollout-engine vllm with {what}: the vLLM rollout engine runs inside the one trainer "
+                         f"process (in a multi-process job it joins the trainer's process group and hangs); give "
+                         f"--nproc 1, or use --rollout-engine torch for parallel layouts")
     dp = world // need
     if s.micro_batches % dp:
         raise ValueError(f"--micro-batches {s.micro_batches}: {s.micro_batches} micro-batches do not split over "
@@ -215,13 +245,19 @@ def _settings(args) -> TrainSettings:
     return TrainSettings(**{name: getattr(args, name) for name in _FLAGS.values()})
 
 
-def _line(m: dict, total: int) -> str:
+def _line(m: dict, total: int, warm_start_steps: int = 0) -> str:
+    """The console line of a step: a warm-start step (``warm-start k/N``, its cross-entropy) or a GRPO step
+    (``step k/total``, counted from the first GRPO step)."""
     def show(key, fmt):  # a metric the configuration does not compute shows as "-"
         return format(m[key], fmt) if key in m else "-"
-    return (f"step {m['step'] + 1:>4}/{total}  reward {m['reward_mean']:.3f}  loss {m['loss']:+.4f}  "
-            f"grad {m['grad_norm']:.3f}  k3 {show('rollout_corr/k3_kl', '.2e')}  "
+    if m.get("warm_start"):
+        return (f"warm-start {m['step'] + 1:>4}/{warm_start_steps}  supervised cross-entropy {m['loss']:.4f}  "
+                f"grad {m['grad_norm']:.3f}  {m['time/step']:.2f}s")
+    rejected = m.get("rollout_corr/rejected_token_fraction", m.get("rollout_corr/rollout_rs_masked_fraction", 0.0))
+    return (f"step {m['step'] - warm_start_steps + 1:>4}/{total}  reward {m['reward_mean']:.3f}  "
+            f"loss {m['loss']:+.4f}  grad {m['grad_norm']:.3f}  k3 {show('rollout_corr/k3_kl', '.2e')}  "
             f"ess {show('rollout_corr/rollout_is_eff_sample_size', '.3f')}  "
-            f"rejected {m.get('rollout_corr/rollout_rs_masked_fraction', 0.0):.3f}  {m['time/step']:.2f}s")
+            f"rejected {rejected:.3f}  {m['time/step']:.2f}s")
 
 
 @dataclass
@@ -289,7 +325,7 @@ def _worker(rank: int, world: int, init_method: str, args: argparse.Namespace, l
         if rank != 0:
             return
         with interrupt.atomic():  # a signal now stops the run after this step's line, never inside it
-            print(_line(m, settings.num_steps), flush=True)
+            print(_line(m, settings.num_steps, settings.warm_start_steps), flush=True)
             loggers.log(m)
             finished += 1
 
@@ -329,11 +365,19 @@ def _worker(rank: int, world: int, init_method: str, args: argparse.Namespace, l
                     loggers = open_loggers(launch.logging, args.output_dir, run_config)
             history = run_training(settings, config, on_step, tis_function=launch.tis_function_here(args),
                                    tis_args=args)
-            if rank == 0 and history:
-                first, last = history[0], history[-1]
+            grpo = [m for m in history if not m.get("warm_start")]
+            if rank == 0 and grpo:
+                first, last = grpo[0], grpo[-1]
                 print(f"done: mean reward {first['reward_mean']:.3f} -> {last['reward_mean']:.3f}, exact answers "
                       f"{first['exact_fraction']:.0%} -> {last['exact_fraction']:.0%}"
                       + (f"; metrics in {args.output_dir}/metrics.jsonl" if args.output_dir else ""), flush=True)
+                summary = run_summary(history)
+                for line in summary_lines(summary):
+                    print(line, flush=True)
+                if args.output_dir:
+                    with interrupt.atomic():
+                        path = write_summary(args.output_dir, summary)
+                    print(f"summary in {path}", flush=True)
         finally:
             if loggers is not None:
                 loggers.close()
@@ -344,7 +388,8 @@ def _worker(rank: int, world: int, init_method: str, args: argparse.Namespace, l
         if signum is None:  # no signal: the error is the run's own
             raise
         # stopped by a signal: whatever the stop raised (in a peer's collective, say) is part of it, said in one line
-        interrupt.report(interrupted_message(signum, finished, settings.num_steps, args.output_dir)
+        interrupt.report(interrupted_message(signum, finished, settings.warm_start_steps + settings.num_steps,
+                                             args.output_dir)
                          if rank == 0 else None)
         raise Interrupted(signum) from (None if isinstance(e, Interrupted) else e)
 

@@ -20,6 +20,13 @@ Runs in every rank of an initialised process group (:func:`run_training`).  Per 
 7. one step: decoupled mode with the pre-step correction of step 5, bypass mode with the in-loss correction
    (``slime_rc.megatron.loss``).
 
+Warm start (``warm_start_steps``, before step 1): supervised steps on the correct answers
+(:func:`warm_start_batch`, :func:`supervised_loss_func`: cross-entropy of ``log_softmax(logits / T)`` on the answer
+tokens and EOS, the token mean of the global batch) through the same ``train_step``, layout and optimizer; their
+metrics rows carry ``"warm_start": True`` (``step`` 0..N-1; the GRPO steps are then N, N+1, ...) and only ``loss``,
+``grad_norm``, ``loss_tokens`` and the times.  Their prompts come from their own generator, so the GRPO steps see the
+same prompts with or without a warm start.
+
 Metrics-only monitoring (``--get-mismatch-metrics`` without IS/RS/veto) changes neither the loss nor the gradients:
 the correction's keep mask is then every loss token and no weight is applied.  In bypass mode it adds no forward pass:
 the metrics come from the loss's own pi_theta.  ``decoupled_metrics`` (bypass only) asks for the forward-only pass
@@ -28,8 +35,11 @@ and logs the global-batch metrics of pi_old (the weights at the step's start) vs
 (``slime_rc.tools.dump``, JSONL) for ``slime-rc analyze``; in bypass mode it needs the same forward-only pass.
 
 Per-step metrics (equal on every rank): ``step``, ``loss``, ``grad_norm``, ``reward_mean``, ``reward_std``,
-``exact_fraction``, ``response_length``, ``rollout_corr/...`` (the mean over micro-batches of the correction
-metrics; global-batch values in decoupled mode), ``rollout_corr/tis_function/<name>`` (a
+``exact_fraction``, ``response_length``, ``kept_fraction``, ``loss_tokens`` (the step's response tokens),
+``rejected_tokens`` (those the correction removed from the loss: each micro-batch's
+``rollout_corr/rejected_token_fraction`` times its tokens; absent when a correction that rejects logged no such
+fraction), ``rollout_corr/...`` (the mean over micro-batches of the correction metrics; global-batch values in
+decoupled mode), ``rollout_corr/tis_function/<name>`` (a
 ``--custom-tis-function-path`` function's own metrics, reduced as slime reduces them: per-sample means over the
 original loss mask, summed over the step's micro-batches and DP x CP ranks, divided by the step's number of samples
 -- of tokens with ``--calculate-per-token-loss``), ``rollout_corr_decoupled/...`` (``decoupled_metrics``),
@@ -50,9 +60,12 @@ from slime_rc.config.schema import RolloutCorrectionConfig
 from slime_rc.correction.engine import compute_rollout_correction
 from slime_rc.correction.packed import cu_seqlens_from_lengths
 from slime_rc.demo.train.advantages import group_advantages
-from slime_rc.demo.train.task import EOS, MIN_VOCAB, TASKS, make_prompts, rewards
+from slime_rc.demo.train.task import EOS, MIN_VOCAB, TASKS, _answer, make_prompts, rewards
 
 ROLLOUT_DTYPES = ("fp32", "bf16", "fp16")  # slime_rc.demo.rollout.in_process.DTYPES
+ROLLOUT_ENGINES = ("torch", "sglang", "vllm")
+MODELS = ("tiny-gpt", "qwen2-tiny")  # slime_rc.demo.model: TinyGPTConfig(), qwen2_tiny()
+VLLM_HEAD_SIZE = 32  # the smallest head size of vLLM's CPU attention (slime_rc.demo.rollout.vllm_engine)
 MAX_SEED = 2**31 - 1
 
 
@@ -74,17 +87,22 @@ class TrainSettings:
     rollout_dtype: str = "bf16"  # the classic mismatch: bf16 rollouts, fp32 trainer
     stale_steps: int = 0
     logit_noise: float = 0.0
+    rollout_prob_floor: float = 0.0  # in-process engine: sample from / report q = (1 - V f) p + f (0 = off)
+    warm_start_steps: int = 0  # supervised steps on the correct answers before the GRPO steps
     tp: int = 1
     pp: int = 1
     cp: int = 1
     vpp: Optional[int] = None
     sequence_parallel: bool = False
-    rollout_engine: str = "torch"  # or "sglang": a running server at sglang_url (it serves its own weights)
+    rollout_engine: str = "torch"  # or "sglang": a running server at sglang_url (it serves its own weights), or
+    # "vllm": vLLM in this process, serving the Qwen2-architecture model (slime_rc.demo.rollout.vllm_engine)
     sglang_url: Optional[str] = None
     sglang_timeout: float = 60.0  # seconds to wait for the answer of one /generate (the connection: 5 s)
     decoupled_metrics: bool = False  # bypass mode: forward-only pass -> global pi_old vs pi_rollout metrics
     dump_logprobs: Optional[str] = None  # directory for per-step log-prob dumps (slime_rc.tools.dump)
     vocab_size: int = 16
+    model: str = "tiny-gpt"  # or "qwen2-tiny": Qwen2's architecture (RMSNorm, SwiGLU, q/k/v bias, RoPE 1e6, GQA)
+    hf_checkpoint: Optional[str] = None  # a HF Qwen2 checkpoint directory to start from (sizes from its config.json)
     hidden_size: int = 64
     num_layers: int = 2
     num_attention_heads: int = 4
@@ -163,25 +181,40 @@ class TrainSettings:
                              f"{', '.join(ROLLOUT_DTYPES)} (default {TrainSettings.rollout_dtype})")
         count("--stale-steps", self.stale_steps, 0, "a number of weight syncs")
         number("--logit-noise", self.logit_noise, "the noise sigma", 0.0, False)
+        floor, top = self.rollout_prob_floor, 1.0 / self.vocab_size
+        if (isinstance(floor, bool) or not isinstance(floor, (int, float)) or not math.isfinite(floor)
+                or not 0.0 <= floor < top):
+            raise ValueError(f"--rollout-prob-floor {floor}: the rollout engine's probability floor must be a finite "
+                             f"number in [0, {top:g}) (every one of the {self.vocab_size} vocabulary entries gets at "
+                             f"least the floor, so {self.vocab_size} x floor must stay below 1); give e.g. "
+                             f"--rollout-prob-floor 0.002, or 0 (the default: no floor)")
+        if floor > 0 and self.rollout_engine != "torch":
+            raise ValueError(f"--rollout-prob-floor {floor}: the floor is a mismatch knob of the in-process rollout "
+                             f"engine (--rollout-engine torch); --rollout-engine {self.rollout_engine} samples from its "
+                             f"own distribution: drop the flag, or use --rollout-engine torch")
+        count("--warm-start-steps", self.warm_start_steps, 0, "a number of supervised steps")
         count("--hidden-size", self.hidden_size, 1, "the model needs a hidden size")
         count("--num-layers", self.num_layers, 1, "the model needs a layer")
-        heads = self.num_attention_heads
-        if self.hidden_size % heads:
+        heads = self.num_attention_heads  # the flags' sizes (a --hf-checkpoint's own: _check_model)
+        if self.hf_checkpoint is None and self.hidden_size % heads:
             raise ValueError(f"--hidden-size {self.hidden_size}: not a multiple of the model's {heads} attention "
                              f"heads; give a multiple of {heads} (default {TrainSettings.hidden_size})")
-        if heads % self.tp or self.vocab_size % self.tp:
+        if self.hf_checkpoint is None and heads % self.tp or self.vocab_size % self.tp:
             fits = [t for t in range(1, heads + 1) if heads % t == 0 and self.vocab_size % t == 0]
             raise ValueError(f"--tensor-model-parallel-size {self.tp}: the model's {heads} attention heads and "
                              f"{self.vocab_size}-token vocabulary do not split over {self.tp} ranks; give one of "
                              f"{', '.join(map(str, fits))}")
         stages = self.pp * (self.vpp or 1)
-        if self.num_layers % stages:
+        if self.hf_checkpoint is None and self.num_layers % stages:
             raise ValueError(f"--num-layers {self.num_layers}: does not split over {stages} pipeline stages "
                              f"(--pipeline-model-parallel-size {self.pp}"
                              + (f" x --virtual-pipeline-model-parallel-size {self.vpp}" if self.vpp else "")
                              + f"); give a multiple of {stages}")
-        if self.rollout_engine not in ("torch", "sglang"):
-            raise ValueError(f"--rollout-engine {self.rollout_engine}: give torch (in-process) or sglang")
+        self._check_model(stages)
+        if self.rollout_engine not in ROLLOUT_ENGINES:
+            raise ValueError(f"--rollout-engine {self.rollout_engine}: give torch (in-process), sglang or vllm")
+        if self.rollout_engine == "vllm":
+            self._check_vllm()
         if self.rollout_engine == "sglang" and not self.sglang_url:
             raise ValueError("--rollout-engine sglang needs --sglang-url http://host:port")
         if self.sglang_url is not None:
@@ -189,10 +222,85 @@ class TrainSettings:
             check_sglang_url(self.sglang_url)
         number("--sglang-timeout", self.sglang_timeout, "seconds to wait for SGLang's answer", 0.0, True)
 
+    def _check_model(self, stages: int) -> None:
+        """``--model`` / ``--hf-checkpoint``: a known model, a checkpoint only with ``--model qwen2-tiny`` (its
+        config.json read and refused as ``config_from_hf`` does, naming the key), and the Qwen2 model's key/value
+        groups, vocabulary and layers split over the layout."""
+        if self.model not in MODELS:
+            raise ValueError(f"--model {self.model}: not a demo model; give one of {', '.join(MODELS)} (default "
+                             f"{TrainSettings.model})")
+        if self.hf_checkpoint is not None and self.model != "qwen2-tiny":
+            raise ValueError(f"--hf-checkpoint {self.hf_checkpoint}: a HF checkpoint holds a Qwen2 model; give "
+                             f"--model qwen2-tiny with it (--model {self.model} is the demo's own GPT, which has no HF "
+                             f"format)")
+        if self.model != "qwen2-tiny":
+            return
+        try:
+            cfg = self.model_config()
+        except (ValueError, FileNotFoundError) as e:
+            if self.hf_checkpoint is None:
+                raise
+            raise ValueError(f"--hf-checkpoint {self.hf_checkpoint}: {e}") from None
+        groups = cfg.num_query_groups or cfg.num_attention_heads
+        if groups % self.tp or cfg.num_attention_heads % self.tp or cfg.vocab_size % self.tp:
+            fits = [t for t in range(1, groups + 1) if groups % t == 0 and cfg.vocab_size % t == 0]
+            raise ValueError(f"--tensor-model-parallel-size {self.tp}: the Qwen2 model's {groups} key/value groups "
+                             f"and {cfg.vocab_size}-token vocabulary do not split over {self.tp} ranks; give one of "
+                             f"{', '.join(map(str, fits))}")
+        if cfg.num_layers % stages:
+            raise ValueError(f"--hf-checkpoint {self.hf_checkpoint}: its {cfg.num_layers} layers do not split over "
+                             f"{stages} pipeline stages; give a --pipeline-model-parallel-size (x virtual stages) "
+                             f"that divides {cfg.num_layers}")
+
+    def _check_vllm(self) -> None:
+        """``--rollout-engine vllm``: the model is the Qwen2 architecture with heads of ``VLLM_HEAD_SIZE`` (vLLM's
+        CPU attention has no smaller head size), the torch engine's mismatch knobs do not apply, and the sampling
+        settings must give vLLM log-probs in the trainer's convention
+        (``slime_rc.demo.rollout.vllm_engine.check_vllm_sampling``; vLLM itself is not imported here)."""
+        from slime_rc.demo.rollout.vllm_engine import check_vllm_sampling
+        if self.hidden_size % VLLM_HEAD_SIZE:
+            raise ValueError(f"--hidden-size {self.hidden_size}: --rollout-engine vllm builds the model with attention "
+                             f"heads of {VLLM_HEAD_SIZE} (vLLM's CPU attention has no smaller head size), so the "
+                             f"hidden size must be a multiple of {VLLM_HEAD_SIZE}; give e.g. --hidden-size 64")
+        heads = self.hidden_size // VLLM_HEAD_SIZE
+        groups = heads // 2 if heads % 2 == 0 else heads  # qwen2_tiny's key/value groups
+        if groups % self.tp:
+            raise ValueError(f"--tensor-model-parallel-size {self.tp}: with --rollout-engine vllm the model has "
+                             f"{heads} heads of {VLLM_HEAD_SIZE} in {groups} key/value groups (--hidden-size "
+                             f"{self.hidden_size}), which do not split over {self.tp} ranks; give a larger "
+                             f"--hidden-size (a multiple of {VLLM_HEAD_SIZE * 2 * self.tp}) or a smaller tensor-"
+                             f"parallel size")
+        if self.logit_noise > 0:
+            raise ValueError(f"--logit-noise {self.logit_noise}: the noise is a mismatch knob of the in-process torch "
+                             f"engine; vLLM samples from its own distribution: drop the flag, or use "
+                             f"--rollout-engine torch")
+        try:
+            check_vllm_sampling({"temperature": self.temperature, "top_p": self.top_p}, self.temperature,
+                                "raw_logprobs" if self.temperature == 1.0 else "processed_logprobs")
+        except ValueError as e:
+            raise ValueError(f"--rollout-engine vllm --rollout-temperature {self.temperature} --top-p {self.top_p}: "
+                             f"{e}") from None
+
     def model_config(self):
-        from slime_rc.demo.model import TinyGPTConfig
+        """The model's :class:`~slime_rc.demo.model.TinyGPTConfig`: ``--model tiny-gpt`` (the demo GPT) or
+        ``qwen2-tiny`` (``qwen2_tiny``) at the flags' sizes, or, with ``--hf-checkpoint``, the checkpoint's
+        config.json (``slime_rc.demo.hf_checkpoint.config_from_hf``: its sizes, not the flags').
+        ``--rollout-engine vllm`` serves an HF architecture: the Qwen2 model, with heads of ``VLLM_HEAD_SIZE``."""
+        from slime_rc.demo.model import TinyGPTConfig, qwen2_tiny
+        if self.hf_checkpoint is not None:
+            from slime_rc.demo.hf_checkpoint import config_from_hf
+            cfg = config_from_hf(self.hf_checkpoint, seed=1234 + self.seed)
+            if cfg.vocab_size < MIN_VOCAB:
+                raise ValueError(f"config.json vocab_size={cfg.vocab_size}: below the task's {MIN_VOCAB} tokens; give "
+                                 f"a checkpoint with a vocabulary of {MIN_VOCAB} tokens or more")
+            return cfg
         if self.vocab_size < MIN_VOCAB:
             raise ValueError(f"vocab_size={self.vocab_size} is below the task's {MIN_VOCAB} tokens")
+        if self.model == "qwen2-tiny" or self.rollout_engine == "vllm":
+            heads = self.hidden_size // VLLM_HEAD_SIZE if self.rollout_engine == "vllm" else self.num_attention_heads
+            return qwen2_tiny(vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_layers=self.num_layers,
+                              num_attention_heads=heads, max_seq_len=4 * (self.digits + 2) + 8,
+                              seed=1234 + self.seed)
         return TinyGPTConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_layers=self.num_layers,
                              num_attention_heads=self.num_attention_heads, ffn_hidden_size=4 * self.hidden_size,
                              max_seq_len=4 * (self.digits + 2) + 8, seed=1234 + self.seed)
@@ -204,7 +312,8 @@ _FIELD_OF = {"--tensor-model-parallel-size": "tp", "--pipeline-model-parallel-si
              "--prompts-per-step": "prompts_per_step", "--group-size": "group_size", "--micro-batches": "micro_batches",
              "--rollout-temperature": "temperature", "--top-p": "top_p", "--stale-steps": "stale_steps",
              "--logit-noise": "logit_noise", "--hidden-size": "hidden_size", "--num-layers": "num_layers",
-             "--sglang-timeout": "sglang_timeout"}
+             "--sglang-timeout": "sglang_timeout", "--warm-start-steps": "warm_start_steps",
+             "--rollout-prob-floor": "rollout_prob_floor"}
 
 
 def make_rollout_engine(s: TrainSettings, cfg):
@@ -215,11 +324,35 @@ def make_rollout_engine(s: TrainSettings, cfg):
             raise ValueError("--rollout-engine sglang needs --sglang-url http://host:port")
         return SGLangEngine(s.sglang_url, temperature=s.temperature, top_p=s.top_p,
                             timeout=s.sglang_timeout)
+    if s.rollout_engine == "vllm":
+        return make_vllm_engine(s, cfg)
     if s.rollout_engine != "torch":
-        raise ValueError(f"--rollout-engine {s.rollout_engine!r}: use torch (in-process) or sglang")
+        raise ValueError(f"--rollout-engine {s.rollout_engine!r}: use torch (in-process), sglang or vllm")
     from slime_rc.demo.rollout.in_process import RolloutEngine
     return RolloutEngine(cfg, dtype=s.rollout_dtype, stale_steps=s.stale_steps, logit_noise=s.logit_noise,
-                         noise_seed=s.seed + 1, temperature=s.temperature, top_p=s.top_p, seed=s.seed)
+                         noise_seed=s.seed + 1, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
+                         prob_floor=s.rollout_prob_floor)
+
+
+def make_vllm_engine(s: TrainSettings, cfg):
+    """vLLM in this process (``slime_rc.demo.rollout.vllm_engine.VllmRolloutEngine``), built from an HF Qwen2
+    checkpoint directory of ``cfg`` written to a temporary directory (removed at exit): vLLM takes the architecture
+    and the shapes from it; the weights come with the first sync (``megatron_to_hf`` of ``full_parameters``), so
+    the checkpoint's are zeros.  ``--rollout-dtype`` is vLLM's dtype."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from slime_rc.demo.hf_checkpoint import megatron_to_hf, write_hf_checkpoint
+    from slime_rc.demo.model import parameter_shapes
+    from slime_rc.demo.rollout.vllm_engine import VllmRolloutEngine
+
+    directory = tempfile.mkdtemp(prefix="slime_rc_vllm_")
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    write_hf_checkpoint(directory, {n: torch.zeros(shape) for n, shape in parameter_shapes(cfg).items()}, cfg)
+    return VllmRolloutEngine(directory, lambda params: megatron_to_hf(params, cfg).items(), dtype=s.rollout_dtype,
+                             stale_steps=s.stale_steps, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
+                             max_model_len=cfg.max_seq_len)
 
 
 def pack_micro_batches(samples: List[dict], advantages: torch.Tensor, n_micro: int) -> List[dict]:
@@ -329,6 +462,34 @@ def dump_step(directory: str, step: int, batch: List[dict], train_log_probs: dic
     return DumpWriter(directory).write_step(step, records)
 
 
+WARM_START_SEED_OFFSET = 7919  # the warm start's prompts: their own stream, so the GRPO prompts do not move
+
+
+def warm_start_batch(s: TrainSettings, generator: torch.Generator) -> List[dict]:
+    """One supervised step's packed micro-batches: ``prompts_per_step * group_size`` fresh prompts, each followed by
+    its correct answer and ``EOS`` (the loss mask covers the positions that predict them), in the GRPO steps'
+    format (:func:`pack_micro_batches`)."""
+    prompts = make_prompts(s.task, s.prompts_per_step * s.group_size, s.digits, generator)
+    samples = []
+    for p in prompts:
+        response = torch.cat([_answer(s.task, p[:-1]), torch.tensor([EOS])])
+        samples.append({"prompt": p, "response": response, "rollout_log_probs": torch.zeros(response.numel())})
+    return pack_micro_batches(samples, torch.zeros(len(samples)), s.micro_batches)
+
+
+def supervised_loss_func(temperature: float, global_tokens: float, log_probs_fn) -> Callable:
+    """``loss_fn(logits, local_mb)`` of a warm-start step: cross-entropy ``-log softmax(logits / T)[target]`` on the
+    loss-mask positions (answer tokens + EOS), the token mean of the global batch under megatron's legacy
+    convention (``local_sum * M * dp / global_tokens``, ``slime_rc.demo.model``)."""
+    def loss_fn(logits, lmb):
+        logp = log_probs_fn(logits.reshape(-1, logits.shape[-1]), lmb["targets"].reshape(-1), temperature)
+        mask = lmb["loss_mask"].to(logp.dtype)
+        local = -(logp * mask).sum()
+        scale = float(lmb["num_micro_batches"] * lmb["dp_size"]) / global_tokens
+        return local * scale, {"ce_sum": local.detach(), "tokens": mask.sum().detach()}
+    return loss_fn
+
+
 def run_training(settings: TrainSettings, config: RolloutCorrectionConfig,
                  on_step: Callable[[dict], None] = lambda m: None, *, tis_function: Optional[Callable] = None,
                  tis_args=None) -> List[dict]:
@@ -351,11 +512,27 @@ def run_training(settings: TrainSettings, config: RolloutCorrectionConfig,
     try:
         cfg = s.model_config()
         model = M.build_model(cfg, calculate_per_token_loss=False)
+        if s.hf_checkpoint is not None:  # before the optimizer: it starts from the loaded weights
+            from slime_rc.demo.hf_checkpoint import load_hf_checkpoint
+            load_hf_checkpoint(model, s.hf_checkpoint, cfg)
         optimizer = M.build_optimizer(model, lr=s.lr)
         rollout_engine = make_rollout_engine(s, cfg)
         prompt_gen = torch.Generator().manual_seed(s.seed)
         history = []
-        for step in range(s.num_steps):
+        # warm start: supervised steps on the correct answers (same train_step path, layouts and optimizer)
+        warm_gen = torch.Generator().manual_seed(s.seed + WARM_START_SEED_OFFSET)
+        for step in range(s.warm_start_steps):
+            t0 = time.perf_counter()
+            batch = warm_start_batch(s, warm_gen)
+            tokens = float(sum(float(mb["loss_mask"].sum()) for mb in batch))
+            result = M.train_step(model, optimizer, M.data_parallel_slice(batch),
+                                  supervised_loss_func(s.temperature, tokens, vocab_parallel_log_probs))
+            metrics = {"step": step, "warm_start": True, "loss": result.loss, "grad_norm": result.grad_norm,
+                       "loss_tokens": int(tokens), "time/train": time.perf_counter() - t0,
+                       "time/step": time.perf_counter() - t0}
+            history.append(metrics)
+            on_step(metrics)
+        for step in range(s.warm_start_steps, s.warm_start_steps + s.num_steps):
             t0 = time.perf_counter()
             state = M.full_parameters(model)  # collective: every rank
             if hasattr(rollout_engine, "load_weights"):  # an SGLang server's weights are updated by the user's own path
@@ -422,15 +599,24 @@ def run_training(settings: TrainSettings, config: RolloutCorrectionConfig,
             t_train = time.perf_counter() - t1
 
             exact = sum(float(x) >= 1.5 for x in r) / len(samples)
+            tokens_of = {mb["sample_index"][0]: float(mb["loss_mask"].sum()) for mb in batch}
             metrics = {"step": step, "loss": result.loss, "grad_norm": result.grad_norm,
                        "reward_mean": float(r.mean()), "reward_std": float(r.std(unbiased=False)),
                        "exact_fraction": exact,
                        "response_length": sum(x["response"].numel() for x in samples) / len(samples),
-                       "kept_fraction": float(kept.float().mean())}
+                       "kept_fraction": float(kept.float().mean()),
+                       "loss_tokens": int(sum(tokens_of.values()))}
             names = sorted({k for m in per_mb.values() for k in m})
             for k in names:
                 vals = [m[k] for m in per_mb.values() if k in m]
                 metrics[k] = sum(vals) / len(vals)
+            # tokens the correction removed from the loss: each micro-batch's fraction times its loss tokens
+            # (decoupled mode: the global fraction in every micro-batch; bypass: each micro-batch's own)
+            frac = "rollout_corr/rejected_token_fraction"
+            if per_mb and all(frac in m for m in per_mb.values()):
+                metrics["rejected_tokens"] = int(round(sum(m[frac] * tokens_of[i] for i, m in per_mb.items())))
+            elif not config.rejects:
+                metrics["rejected_tokens"] = 0
             metrics.update(function_metrics)
             metrics.update(global_metrics)
             metrics.update({"time/rollout": t_rollout, "time/train": t_train,
@@ -439,6 +625,8 @@ def run_training(settings: TrainSettings, config: RolloutCorrectionConfig,
             on_step(metrics)
         return history
     finally:
+        if "rollout_engine" in locals() and hasattr(rollout_engine, "close"):
+            rollout_engine.close()  # vLLM's engine core, before the process group it shares goes
         M.destroy_parallel()
 
 
