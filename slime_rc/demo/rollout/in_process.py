@@ -91,7 +91,7 @@ from typing import Deque, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-from slime_rc.demo.rollout.torch_qwen2 import TorchQwen2, is_default_architecture
+from slime_rc.demo.rollout.torch_qwen2 import TorchQwen2
 
 __all__ = ["TorchGPT", "RolloutEngine", "DTYPES", "resolve_dtype", "sampling_mask", "floor_log_probs", "check_prob_floor",
            "LAYERNORM_EPS", "ROTARY_BASE", "forward_class"]
@@ -122,108 +122,9 @@ def _rotate_half(t: torch.Tensor) -> torch.Tensor:
     return torch.cat((-t2, t1), dim=-1)
 
 
-class TorchGPT:
-    """Pure-torch forward of ``build_model(cfg)``'s GPT (module docstring) from ``full_parameters(model)``.
-
-    ``params``: ``{global name: full tensor}`` (``embedding.word_embeddings.weight``, ``decoder.layers.<i>.*``,
-    ``decoder.final_layernorm.*``, ``output_layer.weight`` unless tied).  Tensors are copied (cast to ``dtype``),
-    so later in-place updates of the trainer's parameters do not leak in.
-    """
-
-    def __init__(self, params: Mapping[str, torch.Tensor], cfg, dtype: Union[str, torch.dtype] = torch.float32,
-                 device: Union[str, torch.device, None] = None):
-        self.cfg = cfg
-        self.dtype = resolve_dtype(dtype)
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.num_heads = cfg.num_attention_heads
-        self.num_groups = cfg.num_query_groups or cfg.num_attention_heads
-        if cfg.hidden_size % self.num_heads or self.num_heads % self.num_groups:
-            raise ValueError(f"hidden_size={cfg.hidden_size}, heads={self.num_heads}, groups={self.num_groups}: "
-                             "heads must divide hidden_size and groups must divide heads")
-        self.head_dim = cfg.hidden_size // self.num_heads
-        names = ["embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "decoder.final_layernorm.bias"]
-        names += [f"decoder.layers.{i}.{k}" for i in range(cfg.num_layers) for k in _LAYER_KEYS]
-        if not cfg.tie_embeddings:
-            names.append("output_layer.weight")
-        missing = [n for n in names if n not in params]
-        if missing:
-            raise KeyError(f"parameters missing from the state dict: {missing[:4]}{' ...' if len(missing) > 4 else ''}"
-                           f" (expected full_parameters(model) of build_model(cfg), tie_embeddings="
-                           f"{cfg.tie_embeddings})")
-        with torch.no_grad():
-            self.p = {n: params[n].detach().to(self.device, self.dtype).clone() for n in names}
-        emb = self.p["embedding.word_embeddings.weight"]
-        if tuple(emb.shape) != (cfg.vocab_size, cfg.hidden_size):
-            raise ValueError(f"word embeddings {tuple(emb.shape)} != (vocab_size, hidden_size) "
-                             f"({cfg.vocab_size}, {cfg.hidden_size})")
-        qkv = self.p["decoder.layers.0.self_attention.linear_qkv.weight"]
-        expect = (self.num_groups * (self.num_heads // self.num_groups + 2) * self.head_dim, cfg.hidden_size)
-        if tuple(qkv.shape) != expect:
-            raise ValueError(f"linear_qkv.weight {tuple(qkv.shape)} != {expect}")
-        self.out_weight = emb if cfg.tie_embeddings else self.p["output_layer.weight"]
-        self.inv_freq = 1.0 / (ROTARY_BASE ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32,
-                                                            device=self.device) / self.head_dim))
-
-    def _norm(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
-        return F.layer_norm(x, (x.shape[-1],), self.p[prefix + ".weight"], self.p[prefix + ".bias"], LAYERNORM_EPS)
-
-    def _rope(self, positions: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        theta = positions.to(torch.float32)[..., None] * self.inv_freq  # [B, T, hn/2]
-        emb = torch.cat((theta, theta), dim=-1)[:, :, None, :]  # [B, T, 1, hn]
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
-
-    @torch.no_grad()
-    def logits(self, tokens: torch.Tensor, pad: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``tokens [B, T]`` int64 (``pad [B]``: leading pad tokens per row, default 0) -> logits ``[B, T, V]``
-        in the rollout engine's dtype.  Rows of padding positions are garbage (finite); read only real positions."""
-        if tokens.dim() != 2:
-            raise ValueError(f"tokens must be [B, T], got {tuple(tokens.shape)}")
-        tokens = tokens.to(self.device)
-        b, t = tokens.shape
-        nh, ng, hn = self.num_heads, self.num_groups, self.head_dim
-        r = nh // ng
-        idx = torch.arange(t, device=self.device)
-        pad = torch.zeros(b, dtype=torch.int64, device=self.device) if pad is None else pad.to(self.device)
-        positions = (idx[None, :] - pad[:, None]).clamp(min=0)  # [B, T]
-        allowed = (idx[None, :] <= idx[:, None])[None] & (idx[None, None, :] >= pad[:, None, None])  # [B, Tq, Tk]
-        allowed |= torch.eye(t, dtype=torch.bool, device=self.device)[None]  # pad queries see themselves: no NaN
-        bias = torch.zeros(b, 1, t, t, dtype=torch.float32, device=self.device)
-        bias.masked_fill_(~allowed[:, None], float("-inf"))
-        cos, sin = self._rope(positions)
-        scale = 1.0 / math.sqrt(hn)
-
-        x = self.p["embedding.word_embeddings.weight"][tokens]  # [B, T, h]
-        for i in range(self.cfg.num_layers):
-            pre = f"decoder.layers.{i}."
-            a = self._norm(x, pre + "input_layernorm")
-            qkv = F.linear(a, self.p[pre + "self_attention.linear_qkv.weight"],
-                           self.p[pre + "self_attention.linear_qkv.bias"]).view(b, t, ng, (r + 2) * hn)
-            q, k, v = torch.split(qkv, [r * hn, hn, hn], dim=-1)
-            q = q.reshape(b, t, nh, hn)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            if r > 1:
-                k = k.repeat_interleave(r, dim=2)
-                v = v.repeat_interleave(r, dim=2)
-            q, k, v = (y.transpose(1, 2) for y in (q, k, v))  # [B, nh, T, hn]
-            scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale + bias
-            probs = torch.softmax(scores, dim=-1).to(self.dtype)
-            ctx = torch.matmul(probs, v).transpose(1, 2).reshape(b, t, nh * hn)
-            x = x + F.linear(ctx, self.p[pre + "self_attention.linear_proj.weight"],
-                             self.p[pre + "self_attention.linear_proj.bias"])
-            m = self._norm(x, pre + "pre_mlp_layernorm")
-            m = F.gelu(F.linear(m, self.p[pre + "mlp.linear_fc1.weight"], self.p[pre + "mlp.linear_fc1.bias"]))
-            x = x + F.linear(m, self.p[pre + "mlp.linear_fc2.weight"], self.p[pre + "mlp.linear_fc2.bias"])
-        x = self._norm(x, "decoder.final_layernorm")
-        return F.linear(x, self.out_weight)
-
-    def log_probs(self, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-        """``tokens [B, T]`` -> ``[B, T - 1]`` fp32 ``log_softmax(logits / T)[t, tokens[t + 1]]`` (no padding)."""
-        if not temperature > 0:
-            raise ValueError(f"temperature={temperature!r} must be > 0")
-        lp = torch.log_softmax(self.logits(tokens)[:, :-1].float() / temperature, dim=-1)
-        return lp.gather(-1, tokens[:, 1:].to(lp.device).unsqueeze(-1)).squeeze(-1)
-
+# One forward for every architecture the demo builds (the GPT above and Qwen2's): ``TorchQwen2`` computes the
+# formulas of this module's docstring on the demo GPT's config, bit for bit (tests/demo/test_qwen2_tiny.py).
+TorchGPT = TorchQwen2
 
 def check_prob_floor(prob_floor: float, vocab_size: int) -> None:
     """``ValueError`` unless ``0 <= prob_floor < 1 / vocab_size`` (a finite number): the floor is given to every
@@ -246,10 +147,10 @@ def floor_log_probs(logp: torch.Tensor, prob_floor: float) -> torch.Tensor:
 
 
 def forward_class(cfg):
-    """The pure-torch forward for ``cfg``: :class:`TorchGPT` for the demo GPT's architecture (the
-    ``TinyGPTConfig`` defaults), ``TorchQwen2`` (``slime_rc.demo.rollout.torch_qwen2``) for Qwen2's or any other.
-    Both are called ``cls(full_parameters, cfg, dtype, device)``."""
-    return TorchGPT if is_default_architecture(cfg) else TorchQwen2
+    """The pure-torch forward for ``cfg``: ``TorchQwen2`` (``slime_rc.demo.rollout.torch_qwen2``, also named
+    :data:`TorchGPT`), the one forward of every architecture the demo builds; called ``cls(full_parameters, cfg,
+    dtype, device)``."""
+    return TorchQwen2
 
 
 def sampling_mask(probs: torch.Tensor, top_p: float) -> torch.Tensor:

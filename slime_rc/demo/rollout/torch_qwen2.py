@@ -1,7 +1,7 @@
 """A pure-torch forward of every architecture :class:`~slime_rc.demo.model.TinyGPTConfig` describes -- Qwen2's
 (``slime_rc.demo.model.QWEN2_TINY``: RMSNorm, SwiGLU, q/k/v bias only, RoPE base 1e6, grouped-query attention) is
 the point -- for the in-process rollout engine.  Same conventions as
-:class:`slime_rc.demo.rollout.in_process.TorchGPT` (which stays the forward of the demo's default GPT):
+the demo GPT's forward described in ``slime_rc.demo.rollout.in_process`` (whose ``TorchGPT`` is this class):
 ``full_parameters(model)`` in, no megatron, no ``torch.distributed``.
 
 :class:`TorchQwen2` -- the forward of megatron-core's ``GPTModel`` with the local layer spec as ``build_model(cfg)``
