@@ -44,7 +44,13 @@ Goals are printed with met / not met: ours >= 10x the loop reference on the 16-s
 metric memory <= 1x input bytes on every case.
 
 Run: ``python benchmarks/bench_correction.py`` (``--quick``: fewer rounds, sweep to 1M tokens; ``--runs 3``: the
-whole table three times; ``--json PATH``: machine-readable results).
+whole table three times; ``--json PATH``: machine-readable results; ``--device cuda``: the same table on a GPU).
+
+On a GPU (``--device cuda``) every contender gets the same batch on the device and each timed call ends with
+``torch.cuda.synchronize()`` (a call's time is its wall time until its kernels are done: the loop reference's
+per-sample host reads wait there too, ours queues its kernels and waits once at the end).  Peak memory is
+``torch.cuda.max_memory_allocated`` above the memory in use before the call, in the same process.  The goals are
+defined for one CPU thread; on a GPU they are printed for reference.
 """
 
 from __future__ import annotations
@@ -105,6 +111,24 @@ def sweep_lengths(n_tokens: int) -> List[int]:
     return sample_lengths(max(1, round(n_tokens / 3000)), n_tokens, low=2 / 3, high=4 / 3)
 
 
+DEVICE = torch.device("cpu")  # --device
+
+
+def sync() -> None:
+    """Wait for the device's queued kernels (timing on a GPU); nothing on the CPU."""
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn):
+    """``fn`` followed by :func:`sync`: its time is until its kernels are done."""
+    def call():
+        out = fn()
+        sync()
+        return out
+    return call
+
+
 def make_batch(lengths: Sequence[int], seed: int = 0):
     """Packed ``(train, rollout, mask, cu_seqlens)``: fp32 log-probs with a bf16-like mismatch and a few catastrophic
     tokens; a masked tool-output span (a tenth of the sample, from its first third) in every sample."""
@@ -118,7 +142,7 @@ def make_batch(lengths: Sequence[int], seed: int = 0):
     starts = cu[:-1].tolist()
     for s, length in zip(starts, lengths):
         mask[s + length // 3: s + length // 3 + length // 10] = 0
-    return train, rollout, mask, cu
+    return tuple(t.to(DEVICE) for t in (train, rollout, mask, cu))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -147,7 +171,7 @@ def loop_reference(train_list, rollout_list, mask_list, config: rc.RolloutCorrec
     # the fast form relies on a zero log-ratio (what a masked token carries) never being flagged
     bounds = [(ctx.log_lo, ctx.log_hi)] + [(low, high) for _, _, low, high in ctx.criteria]
     fast = all(low < 0 < high for low, high in bounds) and (ctx.log_veto is None or ctx.log_veto < 0)
-    order = torch.empty(sum(t.numel() for t in train_list))
+    order = torch.empty(sum(t.numel() for t in train_list), device=train_list[0].device)
     seqs, offset = [], 0
     for i, (train, rollout, mask) in enumerate(zip(train_list, rollout_list, mask_list)):
         train, rollout = train.detach().float(), rollout.detach().float()
@@ -239,10 +263,10 @@ def _sample_general(train, rollout, mask, ctx, order):
     lr_c = lr.clamp(-ctx.bound, ctx.bound)
     ratio = lr_c.exp()
     weight = _bounded(ratio, config)
-    torch.where(valid, lr_c, torch.tensor(math.inf), out=order)
+    torch.where(valid, lr_c, math.inf, out=order)
     counts = [loss.sum(), valid_f.sum()]
     rejected = torch.zeros_like(valid)
-    drop = torch.zeros((), dtype=torch.bool)
+    drop = torch.zeros((), dtype=torch.bool, device=valid.device)
     if config.on_nonfinite == "reject":
         drop = drop | (loss & ~valid).any()
     if ctx.log_veto is not None:
@@ -354,7 +378,7 @@ def _batch_metrics(seqs, order, config, bound, log_hi, log_lo, criteria):
     quantiles = (0.25, 0.50, 0.75, 0.95, 0.99)
     if n:  # order statistics of the valid tokens' clamped log-ratios (+inf elsewhere sorts last): one selection
         ranks = sorted({0, n - 1, *(max(1, math.ceil(q * n)) - 1 for q in quantiles)})
-        part = order.numpy().copy()
+        part = order.cpu().numpy().copy()
         part.partition(ranks)
         at = {r: float(part[r]) for r in ranks}
         m["rollout_is_min"], m["rollout_is_max"] = math.exp(at[0]), math.exp(at[n - 1])
@@ -494,14 +518,33 @@ def sweep_memory(n_tokens: int) -> dict:
             "floor_peak_bytes_per_token": None if mem_floor is None else mem_floor / n}
 
 
+def cuda_peak_extra_bytes(fn) -> int:
+    """Peak GPU memory ``fn()`` allocates above the memory in use before it (torch's caching allocator)."""
+    sync()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    result = fn()
+    sync()
+    peak = torch.cuda.max_memory_allocated()
+    del result
+    return max(peak - before, 0)
+
+
 def sweep_point(n_tokens: int, rounds: int) -> dict:
     """Time per token here (the allocator as in the table), peak memory per token in a fresh subprocess whose
     glibc returns every large block on free (which would slow the timing: each temporary would fault its pages in)."""
     lengths = sweep_lengths(n_tokens)
     train, rollout, mask, cu = make_batch(lengths)
-    times = interleaved({"ours": lambda: rc.compute_rollout_correction(train, rollout, mask, cu, CONFIG),
-                         "floor": lambda: (train - rollout).sum()}, rounds, inner=FLOOR_INNER)
+    times = interleaved({"ours": timed(lambda: rc.compute_rollout_correction(train, rollout, mask, cu, CONFIG)),
+                         "floor": timed(lambda: (train - rollout).sum())}, rounds, inner=FLOOR_INNER)
     n = train.numel()
+    if DEVICE.type == "cuda":
+        memory = {"ours_peak_bytes_per_token": cuda_peak_extra_bytes(
+                      lambda: rc.compute_rollout_correction(train, rollout, mask, cu, CONFIG)) / n,
+                  "floor_peak_bytes_per_token": cuda_peak_extra_bytes(lambda: (train - rollout).sum()) / n}
+        return {"tokens": n, "samples": len(lengths), "ours_s": times["ours"], "floor_s": times["floor"],
+                "ours_ns_per_token": times["ours"] / n * 1e9, "floor_ns_per_token": times["floor"] / n * 1e9,
+                **memory}
     del train, rollout, mask, cu
     gc.collect()
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="131072", OMP_NUM_THREADS="1")
@@ -534,9 +577,10 @@ def measure_case(label: str, lengths: List[int], quick: bool, check: bool) -> di
         return (train - rollout).sum()
 
     row = {"case": label, "samples": len(lengths), "tokens": train.numel()}
-    if check:
-        row["reference_check"] = check_loop_reference(lists, CONFIG)
-    t = interleaved({"ours": ours, "plugin": plugin, "ref": ref, "floor": floor}, rounds, inner=FLOOR_INNER)
+    if check:  # the loop's numbers are device-independent: checked on the host
+        row["reference_check"] = check_loop_reference([[t.cpu() for t in ts] for ts in lists], CONFIG)
+    t = interleaved({"ours": timed(ours), "plugin": timed(plugin), "ref": timed(ref), "floor": timed(floor)}, rounds,
+                    inner=FLOOR_INNER)
     row.update({f"{k}_s": v for k, v in t.items()})
     row.update(ref_over_ours=t["ref"] / t["ours"], ref_over_plugin=t["ref"] / t["plugin"],
                ours_over_floor=t["ours"] / t["floor"], ours_host_syncs=host_syncs(ours),
@@ -604,17 +648,23 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     ap.add_argument("--quick", action="store_true", help="fewer rounds, sweep to 1M tokens (< 2 min)")
     ap.add_argument("--runs", type=int, default=1, help="repeat the whole table (ratios are within each run)")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    ap.add_argument("--device", default="cpu", help="where the batches live: cpu (default) or cuda")
     ap.add_argument("--sweep-memory", type=int, help=argparse.SUPPRESS)  # internal: one size's peak, in a subprocess
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    if DEVICE.type == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: CUDA is not available here; use --device cpu")
     if args.sweep_memory:
         result = sweep_memory(args.sweep_memory)
         print(json.dumps(result))
         return result
 
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread; config: token TIS truncate 2 + token RS "
-          f"[0.5, 2] + veto 1e-4 + batch norm")
-    report = {"torch": torch.__version__, "threads": 1, "quick": args.quick, "runs": []}
+    where = torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "CPU"
+    print(f"torch {torch.__version__}, {where}, {torch.get_num_threads()} host thread; config: token TIS truncate 2 "
+          f"+ token RS [0.5, 2] + veto 1e-4 + batch norm")
+    report = {"torch": torch.__version__, "device": where, "threads": 1, "quick": args.quick, "runs": []}
     for run in range(args.runs):
         print(f"\n== run {run + 1}/{args.runs}")
         rows = [measure_case(label, lengths, args.quick, check=run == 0) for label, lengths in cases()]
@@ -625,10 +675,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         print_table(rows)
         sizes = SWEEP_QUICK if args.quick else SWEEP
         points = [sweep_point(n, 2 if args.quick else (5 if n <= 1_000_000 else 3)) for n in sizes]
-        print("scaling (ours; peak = RSS high-water mark above the inputs, in a fresh process per size):")
+        print("scaling (ours; peak = " + ("torch.cuda.max_memory_allocated above the inputs):" if DEVICE.type == "cuda"
+                                          else "RSS high-water mark above the inputs, in a fresh process per size):"))
         print_sweep(points)
         gs = goals(rows)
-        print("goals:")
+        print("goals:" if DEVICE.type == "cpu" else "goals (defined for one CPU thread; shown for reference):")
         for g in gs:
             print(f"  {g['goal']:48s} {g['value']:9.3g}{g['unit']:7s} (goal {g['target']}): "
                   f"{'met' if g['met'] else 'NOT MET'}" + (f" [{g['case']}]" if "case" in g else ""))

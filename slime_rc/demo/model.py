@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import importlib.util
 import re
@@ -374,6 +375,25 @@ def layer_spec(cfg: Optional[TinyGPTConfig] = None):
     return spec
 
 
+def model_device() -> torch.device:
+    """Where the model and its sharded micro-batches live: this rank's GPU when CUDA is present, else the CPU (the
+    unsharded micro-batches and the rollouts stay on the host)."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _to_model_device(model: torch.nn.Module) -> None:
+    """On a GPU: the chunk's parameters and buffers, and the RoPE ``inv_freq`` that megatron keeps as a plain
+    attribute (``use_cpu_initialization`` left it on the CPU; ``Module.to`` does not see it)."""
+    device = model_device()
+    if device.type == "cpu":
+        return
+    model.to(device)
+    for module in model.modules():
+        freq = getattr(module, "inv_freq", None)
+        if isinstance(freq, torch.Tensor) and freq.device != device:
+            module.inv_freq = freq.to(device)
+
+
 def build_model(cfg: TinyGPTConfig = TinyGPTConfig(), *, calculate_per_token_loss: bool = True,
                 layout: Optional[ParallelLayout] = None) -> List[torch.nn.Module]:
     """Model chunks (one per virtual pipeline stage) of a ``GPTModel`` (RoPE, local spec, CP attention), with
@@ -404,6 +424,7 @@ def build_model(cfg: TinyGPTConfig = TinyGPTConfig(), *, calculate_per_token_los
             parallel_output=True, share_embeddings_and_output_weights=cfg.tie_embeddings,
             position_embedding_type="rope", rotary_base=cfg.rotary_base, vp_stage=vp)
         _init_weights(model, cfg)
+        _to_model_device(model)
         model.tiny_gpt_config = cfg  # read back by config_of() (e.g. to check a checkpoint's architecture)
         chunks.append(model)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -698,6 +719,7 @@ def _take(values: torch.Tensor, global_index: torch.Tensor) -> torch.Tensor:
     """``values[global_index]`` (a per-token field ``[T, ...]`` of the unsharded micro-batch), 0 where the index is
     -1 (padding)."""
     valid = global_index >= 0
+    values = values.to(global_index.device)  # a host field of the unsharded micro-batch, for a sharded one on a GPU
     picked = (values[global_index.clamp(min=0)] if values.shape[0]
               else values.new_zeros((0,) + tuple(values.shape[1:])))
     mask = valid.view(-1, *([1] * (values.dim() - 1)))
@@ -787,10 +809,26 @@ def shard_for_layout(micro_batches: Sequence[dict]) -> List[dict]:
     multiple = stream_multiple(ps.get_tensor_model_parallel_world_size(), current_layout().pad_multiplier)
     out = []
     for i, mb in enumerate(micro_batches):
-        lmb = shard_micro_batch(mb, cp, cp_rank, stream_multiple=multiple)
+        lmb = _on(shard_micro_batch(mb, cp, cp_rank, stream_multiple=multiple), model_device())
         lmb["num_micro_batches"], lmb["dp_size"] = len(micro_batches), ps.get_data_parallel_world_size()
         lmb["micro_batch_index"] = i
         out.append(lmb)
+    return out
+
+
+def _on(local_mb: dict, device: torch.device) -> dict:
+    """A sharded micro-batch with its tensors (and its ``PackedSeqParams``' cu_seqlens) on ``device``."""
+    if device.type == "cpu":
+        return local_mb
+    def move(v):
+        if isinstance(v, torch.Tensor):
+            return v.to(device)
+        return [move(x) for x in v] if isinstance(v, list) else v  # per-sample lists (with_sample_fields)
+
+    out = {k: move(v) for k, v in local_mb.items()}
+    p = out["packed_seq_params"]
+    out["packed_seq_params"] = dataclasses.replace(p, **{k: move(getattr(p, k)) for k in (
+        "cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")})
     return out
 
 
@@ -871,7 +909,7 @@ def train_step(model: List[torch.nn.Module], optimizer, micro_batches: Sequence[
 
     # the optimised value, reduced like the gradients
     last = ps.is_pipeline_last_stage(ignore_virtual=True)
-    stat = torch.zeros(2, dtype=torch.float64)
+    stat = torch.zeros(2, dtype=torch.float64, device=model_device())  # NCCL reduces device tensors only
     if last:
         for value, count in records:
             stat[0] += value

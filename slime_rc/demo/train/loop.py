@@ -413,7 +413,7 @@ def self_log_probs(M, model, batch: List[dict], temperature: float, log_probs_fn
     local = {}
     if ps.is_pipeline_last_stage(ignore_virtual=True):
         for mb, o, lmb in zip(mine, fwd.outputs, fwd.local_micro_batches):
-            full = M.gather_to_global(o["logp"], lmb)
+            full = M.gather_to_global(o["logp"], lmb).cpu()  # the unsharded batch is host data
             if _is_reporter():
                 local[mb["sample_index"][0]] = full
     return _gather_from_reporters(local)

@@ -1,0 +1,355 @@
+"""The CUDA path (issue 14): the engine, the policy losses, the Megatron loss, slime's custom loss and the TIS
+functions slime loads, run on a GPU, give the CPU's numbers and never synchronise the stream.
+
+Each test computes the same call on the CPU and on the device and compares every output (weights, keep masks,
+metrics, losses and gradients); in ``on_nonfinite='reject'`` mode the device call runs under CUDA's own
+synchronisation detector (``torch.cuda.set_sync_debug_mode("error")``: any ``.item()``, data-dependent size or
+blocking copy raises) and under :class:`~slime_rc.testing.host_reads.HostReads`, which must count 0 (1 with
+``'error'``: the deferred check).  A 2-process spawn runs the engine and slime's TIS function under context
+parallelism with CUDA tensors over gloo (one GPU cannot host two NCCL ranks) and compares with one process.
+
+Where no GPU is present (CI) the module is skipped as a whole.  ``SLIME_RC_TEST_DEVICE=cpu`` runs it on the CPU
+against itself (a dry run of the comparisons, without the CUDA detector) before a GPU is lent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import replace
+from types import SimpleNamespace as NS
+
+import pytest
+import torch
+
+from slime_rc import compute_policy_loss, compute_rollout_correction
+from slime_rc.correction.reducer import LocalReducer
+from slime_rc.testing.host_reads import HostReads
+
+_WANTED = os.environ.get("SLIME_RC_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else "")
+pytestmark = pytest.mark.skipif(not _WANTED, reason="no GPU here: this module runs where CUDA is available "
+                                                    "(or with SLIME_RC_TEST_DEVICE=cpu, as a dry run)")
+DEVICE = torch.device(_WANTED or "cpu")
+ON_CUDA = DEVICE.type == "cuda"
+
+
+# ---- helpers -------------------------------------------------------------------------------------------------------
+def to(obj, device=DEVICE):
+    """``obj`` with every tensor moved to ``device`` (through dicts, lists, tuples; other values as they are)."""
+    if isinstance(obj, torch.Tensor):
+        out = obj.detach().to(device)
+        return out.requires_grad_(obj.requires_grad) if obj.is_leaf else out
+    if isinstance(obj, dict):
+        return {k: to(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to(v, device) for v in obj)
+    return obj
+
+
+def assert_same(cpu, dev, what="", rtol=1e-6, atol=1e-7):
+    """``dev`` (any device) equals ``cpu`` to float32 rounding, walking dicts, lists, tuples and dataclass-like
+    results; a tensor on the device must also keep the CPU tensor's dtype and shape."""
+    if isinstance(cpu, torch.Tensor):
+        assert isinstance(dev, torch.Tensor) and dev.device.type == DEVICE.type, (what, type(dev))
+        assert dev.dtype == cpu.dtype and dev.shape == cpu.shape, (what, dev.dtype, cpu.dtype, dev.shape, cpu.shape)
+        torch.testing.assert_close(dev.detach().cpu(), cpu.detach(), rtol=rtol, atol=atol, equal_nan=True,
+                                   msg=lambda m: f"{what}: {m}")
+    elif isinstance(cpu, dict):
+        assert set(cpu) == set(dev), (what, sorted(set(cpu) ^ set(dev)))
+        for k in cpu:
+            assert_same(cpu[k], dev[k], f"{what}[{k!r}]", rtol, atol)
+    elif isinstance(cpu, (list, tuple)):
+        assert len(cpu) == len(dev), what
+        for i, (a, b) in enumerate(zip(cpu, dev)):
+            assert_same(a, b, f"{what}[{i}]", rtol, atol)
+    elif hasattr(cpu, "__dataclass_fields__"):
+        for k in cpu.__dataclass_fields__:
+            assert_same(getattr(cpu, k), getattr(dev, k), f"{what}.{k}", rtol, atol)
+    else:
+        assert cpu == dev, (what, cpu, dev)
+
+
+@contextlib.contextmanager
+def no_stream_sync():
+    """CUDA's own detector: a synchronising call inside raises ``RuntimeError`` (a no-op off CUDA)."""
+    if not ON_CUDA:
+        yield
+        return
+    torch.cuda.synchronize()
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(before)
+
+
+def run_checked(call, mode: str):
+    """``call()`` on the device after a warm-up call (one-time per-device caches are not the hot path): under the
+    CUDA detector with ``'reject'``, and counted by ``HostReads`` (0 reads with ``'reject'``, at most 1 with
+    ``'error'``).  Returns the result of the counted call."""
+    call()
+    if mode == "reject":
+        with no_stream_sync():
+            call()
+    with HostReads() as reads:
+        out = call()
+    assert reads.count <= (0 if mode == "reject" else 1), reads.report()
+    if ON_CUDA:
+        torch.cuda.synchronize()
+    return out
+
+
+def test_the_detector_sees_a_sync():
+    """The instrument: a scalar read of a device tensor raises under the detector (on CUDA)."""
+    x = torch.arange(4.0, device=DEVICE)
+    if ON_CUDA:
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            with no_stream_sync():
+                float(x.sum())
+    with HostReads() as reads:
+        float(x.sum())
+    assert reads.count == 1
+
+
+# ---- the engine ---------------------------------------------------------------------------------------------------
+def _engine_batch(n_seqs: int, seed: int, nan: bool):
+    from tests.correction.test_host_reads import _batch
+    train, rollout, mask, cu = _batch(n_seqs, seed)
+    train[int(cu[3]) + 1], mask[int(cu[3]) + 1] = rollout[int(cu[3]) + 1] - 12.0, 1.0  # a catastrophic token
+    if nan:
+        train[int(cu[5])], mask[int(cu[5])] = float("nan"), 1.0
+    return train, rollout, mask, cu
+
+
+def _engine_configs():
+    from tests.correction.test_host_reads import CONFIGS
+    return CONFIGS
+
+
+@pytest.mark.parametrize("mode", ["reject", "error"])
+@pytest.mark.parametrize("name", list(_engine_configs()))
+def test_engine_on_the_device_equals_the_cpu(name, mode):
+    config = replace(_engine_configs()[name], on_nonfinite=mode)
+    cpu = _engine_batch(48, seed=3, nan=mode == "reject")
+    dev = to(cpu)
+    want = compute_rollout_correction(*cpu, config)
+    got = run_checked(lambda: compute_rollout_correction(*dev, config), mode)
+    assert_same(want.is_weights, got.is_weights, "is_weights")
+    assert_same(want.keep_mask, got.keep_mask, "keep_mask")
+    assert_same(want.sequences, got.sequences, "sequences")
+    assert_same(want.metrics, got.metrics, "metrics", rtol=1e-5, atol=1e-7)
+
+
+def test_engine_error_on_the_device_names_sample_and_position():
+    train, rollout, mask, cu = _engine_batch(9, seed=1, nan=True)
+    k = int(cu[5])
+    config = replace(_engine_configs()["token_tis_rs_veto_norm"], on_nonfinite="error")
+    with pytest.raises(ValueError, match=rf"train_log_probs is nan at sample 5, position 0 \(packed index {k}\)"):
+        compute_rollout_correction(*to((train, rollout, mask, cu)), config)
+
+
+# ---- the policy losses --------------------------------------------------------------------------------------------
+def _loss_configs():
+    from tests.test_losses import CONFIGS
+    return CONFIGS
+
+
+def _policy_loss(b, cfg):
+    lp = b["theta"].detach().clone().requires_grad_(True)
+    loss, metrics = compute_policy_loss(lp, b["old"], b["rollout"], b["adv"], b["mask"], b["cu"], cfg)
+    loss.backward()
+    return loss.detach(), lp.grad, metrics
+
+
+@pytest.mark.parametrize("mode", ["reject", "error"])
+@pytest.mark.parametrize("name", list(_loss_configs()))
+def test_policy_loss_and_gradient_on_the_device_equal_the_cpu(name, mode):
+    from tests.test_losses import _batch
+    cfg = replace(_loss_configs()[name], on_nonfinite=mode)
+    cpu = _batch(5, lengths=(5, 1, 7, 3, 6, 30, 2, 11))
+    dev = to(cpu)
+    want = _policy_loss(cpu, cfg)
+    got = run_checked(lambda: _policy_loss(dev, cfg), mode)
+    assert_same(want, got, name, rtol=1e-5, atol=1e-7)
+
+
+# ---- the Megatron loss (one process: the CP reducer is a LocalReducer) --------------------------------------------
+@pytest.mark.parametrize("mode", ["reject", "error"])
+@pytest.mark.parametrize("variant", ["in_loss", "prepared", "tis_function"])
+def test_megatron_loss_on_the_device_equals_the_cpu(variant, mode, monkeypatch):
+    import slime_rc.megatron.loss as megatron_loss
+    from slime_rc.megatron.loss import make_loss_func, policy_loss, prepare_global_batch
+    from tests.test_hot_path_losses import _tis_function, _tis_micro_batch
+    from tests.test_losses import _batch, _micro_batch
+    monkeypatch.setattr(megatron_loss, "_cp_reducer", LocalReducer)
+    cfg = replace(_loss_configs()["decoupled_seq_tis_rs"], on_nonfinite=mode)
+
+    def build(device):
+        if variant == "tis_function":
+            mb, logits = _tis_micro_batch(device)
+            return mb, logits, make_loss_func(cfg, tis_function=_tis_function)
+        mb, logits = _micro_batch(_batch(12), 0, 5, seed=1)
+        mb, logits = to(mb, device), to(logits, device)
+        if variant == "in_loss":
+            return mb, logits, make_loss_func(cfg)
+        (p,) = prepare_global_batch([mb], cfg, reducer=LocalReducer())
+        return mb, logits, lambda x, m: policy_loss(x, m, cfg, prepared=p, reducer=LocalReducer())
+
+    def call(device):
+        mb, logits, loss_fn = build(device)
+        x = logits.detach().clone().requires_grad_(True)
+
+        def once():
+            x.grad = None
+            loss, metrics = loss_fn(x, mb)
+            loss.backward()
+            return loss.detach(), x.grad, metrics
+        return once
+
+    want = call(torch.device("cpu"))()
+    got = run_checked(call(DEVICE), mode)
+    assert_same(want, got, variant, rtol=1e-5, atol=1e-6)
+
+
+# ---- slime's custom loss ------------------------------------------------------------------------------------------
+def _slime_modes():
+    from tests.slime.test_hot_path_slime import MODES
+    return sorted(m for m, (config, _) in MODES.items() if config is not None)
+
+
+@pytest.mark.parametrize("per_token", [False, True], ids=["per_sample", "per_token"])
+@pytest.mark.parametrize("mode", _slime_modes())
+def test_slime_custom_loss_on_the_device_equals_the_cpu(mode, per_token):
+    from slime_rc.slime import policy_loss_function
+    from tests.slime.test_hot_path_slime import _args
+    from tests.slime.test_policy_loss import make_batch
+    batch, logits = make_batch(3)
+    args = _args(mode, per_token, "reject")
+
+    def call(batch, logits):
+        def once():
+            x = logits.detach().clone().requires_grad_(True)
+            loss, log = policy_loss_function(args, batch, x, None)
+            loss.backward()
+            return loss.detach(), x.grad, log
+        return once
+
+    want = call(batch, logits)()
+    got = run_checked(call(to(batch), to(logits)), "reject")
+    assert_same(want[:2], got[:2], mode, rtol=1e-5, atol=1e-6)  # the loss and its gradient
+    # the metrics: k3 = r - 1 - log r in float32 cancels (~ (log r)^2 / 2): the last-bit difference between the
+    # CPU's and CUDA's exp grows to ~6e-5 of a sequence's mean k3 (measured on an H100: 3.3e-6 of 0.054)
+    assert_same(want[2], got[2], mode, rtol=1e-4, atol=1e-5)
+
+
+# ---- the TIS functions slime loads --------------------------------------------------------------------------------
+TIS_ARGS = {
+    "slime_mis_token_mask_rs_veto_bn": (dict(use_tis=True, tis_mode="mask", use_rs=True, rs_level="token",
+                                             rs_veto_threshold=1e-4, tis_batch_normalize=True), "error"),
+    "slime_mis_sequence_clip_rs_geo": (dict(use_tis=True, tis_level="sequence", tis_mode="clip", use_rs=True,
+                                            rs_level="geometric", tis_batch_normalize=True), "error"),
+    "engine_token_veto_norm_reject": (dict(rollout_correction_config=None), "reject"),
+}
+
+
+def _tis_args(name: str):
+    from slime_rc.config.schema import RolloutCorrectionConfig
+    keys, mode = TIS_ARGS[name]
+    if "rollout_correction_config" in keys:
+        keys = dict(rollout_correction_config=RolloutCorrectionConfig(
+            is_level="token", is_batch_normalize=True, veto_threshold=0.6, on_nonfinite="reject"))
+    return NS(**keys), mode
+
+
+@pytest.mark.parametrize("form", ["lists", "cp"])
+@pytest.mark.parametrize("name", list(TIS_ARGS))
+def test_tis_functions_on_the_device_equal_the_cpu(name, form):
+    from custom_tis.mis import compute_mis_weights, compute_mis_weights_with_cp
+    from tests.slime_reference import make_samples, rank_inputs
+    args, mode = _tis_args(name)
+    samples = make_samples(0)
+    idx, inputs = rank_inputs(samples, 1, 0)
+    pg = torch.randn(sum(len(i) for i in idx), generator=torch.Generator().manual_seed(1))
+    lists = {k: inputs[k] for k in ("train_log_probs", "rollout_log_probs", "loss_masks")}
+
+    def call(device):
+        if form == "lists":
+            data = to(lists, device)
+            return lambda: compute_mis_weights(args, **data)
+        data, p = to(inputs, device), to(pg, device)
+        return lambda: compute_mis_weights_with_cp(args, pg_loss=p, **data)
+
+    want = call(torch.device("cpu"))()
+    got = run_checked(call(DEVICE), mode)
+    assert_same(want, got, f"{name}/{form}", rtol=1e-5, atol=1e-6)
+
+
+# ---- context parallelism with CUDA tensors (2 processes, gloo) ----------------------------------------------------
+def _cp_worker(rank: int, world: int, device: str):
+    """Rank ``rank`` of CP=``world``: the engine on its zigzag tokens with a CP reducer, and slime's TIS function
+    (CP form) through megatron's parallel_state, both on ``device``."""
+    from megatron.core import parallel_state as ps
+
+    from custom_tis.mis import compute_mis_weights_with_cp
+    from slime_rc.correction.reducer import megatron_reducer
+    from tests.correction.test_reducer_layouts import CONFIGS, make_samples, pack_samples, shard
+    from tests.slime_reference import make_samples as slime_samples, rank_inputs
+
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    ps.initialize_model_parallel(context_parallel_size=world)
+    try:
+        out = {}
+        samples = make_samples(8, seed=11)
+        sh = shard(samples, 1, 0, world, rank)
+        local = to(pack_samples(sh["local"]), torch.device(device))
+        for name in ("token_tis_rs_veto_norm", "geo_mask", "token_k2_k3_seq_sum_k1"):
+            res = compute_rollout_correction(*local, CONFIGS[name], reducer=megatron_reducer())
+            out[name] = dict(index=sh["gidx"], keep=res.keep_mask.cpu(),
+                             weights=None if res.is_weights is None else res.is_weights.cpu(),
+                             metrics={k: float(v) for k, v in res.metrics.items()})
+        full = slime_samples(0)
+        idx, inputs = rank_inputs(full, world, rank)
+        args, _ = _tis_args("slime_mis_token_mask_rs_veto_bn")
+        pg = torch.ones(sum(len(i) for i in idx))
+        loss, masks, metrics = compute_mis_weights_with_cp(args, pg_loss=to(pg, torch.device(device)),
+                                                           **to(inputs, torch.device(device)))
+        out["tis"] = dict(idx=idx, weights=loss.cpu(), masks=[m.cpu() for m in masks],
+                          devices=sorted({loss.device.type, *(m.device.type for m in masks)}))
+        return out
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_context_parallel_with_device_tensors_equals_one_process():
+    from custom_tis.mis import compute_mis_weights
+    from tests.correction.test_reducer_layouts import CONFIGS, make_samples, pack_samples
+    from tests.dist_utils import run_distributed
+    from tests.slime_reference import make_samples as slime_samples
+
+    world = 2
+    results = run_distributed(_cp_worker, world, args=(DEVICE.type,), timeout=240)
+    packed = pack_samples(make_samples(8, seed=11))
+    for name in ("token_tis_rs_veto_norm", "geo_mask", "token_k2_k3_seq_sum_k1"):
+        ref = compute_rollout_correction(*packed, CONFIGS[name])
+        for rank, r in enumerate(results):
+            got = r[name]
+            torch.testing.assert_close(got["keep"], ref.keep_mask[got["index"]], msg=f"{name} keep, rank {rank}")
+            if ref.is_weights is not None:
+                torch.testing.assert_close(got["weights"], ref.is_weights[got["index"]], rtol=1e-6, atol=1e-7,
+                                           msg=f"{name} weights, rank {rank}")
+            for k, v in ref.metrics.items():
+                assert got["metrics"][k] == pytest.approx(float(v), rel=1e-6, abs=1e-9), (name, k, rank)
+    # slime's TIS function: each rank's weights are the one-process weights at its zigzag positions
+    full = slime_samples(0)
+    args, _ = _tis_args("slime_mis_token_mask_rs_veto_bn")
+    weights, masks, _ = compute_mis_weights(args, train_log_probs=[s["train"] for s in full],
+                                            rollout_log_probs=[s["rollout"] for s in full],
+                                            loss_masks=[s["mask"] for s in full])
+    for rank, r in enumerate(results):
+        assert r["tis"]["devices"] == [DEVICE.type]
+        want = torch.cat([w[i] for w, i in zip(weights, r["tis"]["idx"])]).float()
+        torch.testing.assert_close(r["tis"]["weights"], want, rtol=1e-6, atol=1e-7, msg=f"TIS weights, rank {rank}")
+        for m, m_ref, i in zip(r["tis"]["masks"], masks, r["tis"]["idx"]):
+            assert torch.equal(m[i].to(m_ref.dtype), m_ref[i]), rank
