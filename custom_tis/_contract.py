@@ -59,8 +59,9 @@ class Batch:
 
     ``train``, ``rollout``: ``[N]`` float32; ``mask``: ``[N]`` float32 0/1 (the original loss mask at this rank's
     tokens); ``cu_seqlens``: ``[B+1]``; ``lengths``: this rank's token count per sample; ``sample_of_token``:
-    ``[N]`` int64; ``full_index`` / ``positions``: ``[N]`` int64 position of each token in the concatenated full
-    masks / in its sample's response (None when this rank holds every response whole: no CP); ``full_masks``: the caller's full-length masks.  ``checks`` receives the check that the masks hold only 0 and 1 (deferred: no host
+    ``[N]`` integer (a property, built on first use); ``full_index`` / ``positions``: ``[N]`` int64 position of each
+    token in the concatenated full masks / in its sample's response (None when this rank holds every response whole:
+    no CP); ``full_masks``: the caller's full-length masks.  ``checks`` receives the check that the masks hold only 0 and 1 (deferred: no host
     read here; without ``checks`` it is read at once).
     """
 
@@ -128,12 +129,13 @@ class Batch:
         # without CP every rank holds each whole response: the packed tokens ARE the full masks' positions, so the
         # gathers and scatters between the two are the identity (skipped)
         self.whole = total_lengths is None or cp_size == 1
+        self.cu_seqlens = upload(list(accumulate(lengths, initial=0)), torch.int64, device)
         if self.whole:
             self.full_index = self.positions = None
-            self.sample_of_token = token_sequence_ids(upload(lengths, torch.int64, device), n_tokens)
+            self._sample_of_token = None  # built on first use: slime's semantics (slime_rc.slime.mis) never need it
         else:
             index = expand_runs(starts, run_lengths, n_tokens, device, width=3, constant=1)
-            self.full_index, self.positions, self.sample_of_token = index[:, 0], index[:, 1], index[:, 2]
+            self.full_index, self.positions, self._sample_of_token = index[:, 0], index[:, 1], index[:, 2]
         if lengths:
             self.train = torch.cat([t.reshape(-1) for t in train_log_probs]).to(device, non_blocking=True).float()
             self.rollout = torch.cat([t.reshape(-1) for t in rollout_log_probs]).to(device, non_blocking=True).float()
@@ -149,7 +151,14 @@ class Batch:
         if own:
             checks.raise_if_any()
         self.mask = (mask != 0).float()
-        self.cu_seqlens = upload(list(accumulate(lengths, initial=0)), torch.int64, device)
+
+    @property
+    def sample_of_token(self) -> torch.Tensor:
+        """``[N]`` the sample of each packed token: int32 built on first use without CP, int64 from the runs under CP
+        (``index_select`` takes either)."""
+        if self._sample_of_token is None:
+            self._sample_of_token = token_sequence_ids(self.cu_seqlens, self.train.numel())
+        return self._sample_of_token
 
     def describe(self, j: int) -> str:
         """Sample and response position of packed token ``j`` (the slow path of an error: reads freely)."""
@@ -176,9 +185,8 @@ class Batch:
             full = keep.to(dtype)
             return [f if f.dtype == m.dtype else f.to(m.dtype)
                     for f, m in zip(full.split(self.full_lengths), self.full_masks)]
-        sample_of_full = torch.repeat_interleave(
-            torch.arange(self.n_samples, device=self.device), upload(self.full_lengths, torch.int64, self.device),
-            output_size=self.full_mask.numel())
+        sample_of_full = token_sequence_ids(
+            upload(list(accumulate(self.full_lengths, initial=0)), torch.int64, self.device), self.full_mask.numel())
         full = ((self.full_mask != 0) & seq_keep.to(self.device).index_select(0, sample_of_full)).to(dtype)
         full = full.index_copy(0, self.full_index, keep.to(dtype))
         return [f if f.dtype == m.dtype else f.to(m.dtype)

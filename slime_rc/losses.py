@@ -100,8 +100,7 @@ def _normalizer_dropping(count_mask: torch.Tensor, bad: torch.Tensor, cu_seqlens
         per_seq, counted = combined[:, 0], count_mask
     else:
         per_seq = torch.where(drop, 0.0, combined[:, 0])
-        counted = count_mask.bool() & ~broadcast_to_tokens(drop, cu_seqlens[1:] - cu_seqlens[:-1],
-                                                           count_mask.numel())
+        counted = count_mask.bool() & ~broadcast_to_tokens(drop, cu_seqlens, count_mask.numel())
     live = (per_seq > 0).sum() if reducer.counts_sequences else torch.zeros((), dtype=torch.int64,
                                                                             device=count_mask.device)
     totals = reducer.sum_totals(torch.stack([counted.double().sum(), live.double()]))
@@ -155,7 +154,7 @@ def _token_coefficients(normalizer: LossNormalizer, config: RolloutCorrectionCon
         return coef.float().to(cu_seqlens.device).expand(n_tokens)
     per_seq = torch.where(normalizer.per_sequence > 0, 1.0 / normalizer.per_sequence.clamp(min=1.0), 0.0)
     per_seq = per_seq / normalizer.sequences.to(per_seq.dtype).clamp(min=1.0)
-    return broadcast_to_tokens(per_seq, cu_seqlens[1:] - cu_seqlens[:-1], n_tokens).float()
+    return broadcast_to_tokens(per_seq, cu_seqlens, n_tokens).float()
 
 
 def _first_bad(values: torch.Tensor, where: torch.Tensor, cu_seqlens: torch.Tensor) -> str:
@@ -331,7 +330,7 @@ def compute_policy_loss(
                                                         cu_seqlens, reducer, config.rejected_in_denominator)
         else:  # precomputed denominators, no collective: this rank's tokens of the sequence
             drop_seq = segment_sum(nonfinite.double(), cu_seqlens) > 0
-        keep = keep & ~broadcast_to_tokens(drop_seq, cu_seqlens[1:] - cu_seqlens[:-1], keep.numel())
+        keep = keep & ~broadcast_to_tokens(drop_seq, cu_seqlens, keep.numel())
     else:
         add_value_checks(checks, keep, cu_seqlens,
                          [(name, values, fix) for name, values in used if name not in engine_checked])

@@ -22,7 +22,7 @@ from types import SimpleNamespace as NS
 import pytest
 import torch
 
-from slime_rc import compute_policy_loss, compute_rollout_correction
+from slime_rc import compute_policy_loss, compute_rollout_correction, cu_seqlens_from_lengths
 from slime_rc.correction.reducer import LocalReducer
 from slime_rc.testing.host_reads import HostReads
 
@@ -139,6 +139,29 @@ def test_engine_on_the_device_equals_the_cpu(name, mode):
     assert_same(want.keep_mask, got.keep_mask, "keep_mask")
     assert_same(want.sequences, got.sequences, "sequences")
     assert_same(want.metrics, got.metrics, "metrics", rtol=1e-5, atol=1e-7)
+
+
+def test_engine_on_a_large_batch_on_the_device_equals_the_cpu():
+    """Past 65,536 tokens the per-sequence sums are block sums and the float64 totals come in pieces on a CPU,
+    whole on a GPU (``packed._pieces``): the same numbers."""
+    g = torch.Generator().manual_seed(5)
+    lengths = torch.randint(1, 9000, (40,), generator=g)
+    n = int(lengths.sum())
+    rollout = -torch.rand(n, generator=g) * 4
+    train = rollout + 0.1 * torch.randn(n, generator=g)
+    train[torch.randint(0, n, (20,), generator=g)] -= 12.0
+    mask = (torch.rand(n, generator=g) > 0.1).float()
+    cpu = (train, rollout, mask, cu_seqlens_from_lengths(lengths))
+    dev = to(cpu)
+    assert n > 100_000
+    for name in ("token_tis_rs_veto_norm", "k_options", "sequence_tis_geo_rs"):
+        config = replace(_engine_configs()[name], on_nonfinite="reject")
+        want = compute_rollout_correction(*cpu, config)
+        got = run_checked(lambda: compute_rollout_correction(*dev, config), "reject")
+        assert_same(want.is_weights, got.is_weights, f"{name} is_weights")
+        assert_same(want.keep_mask, got.keep_mask, f"{name} keep_mask")
+        assert_same(want.sequences, got.sequences, f"{name} sequences", rtol=1e-6, atol=1e-6)
+        assert_same(want.metrics, got.metrics, f"{name} metrics", rtol=1e-5, atol=1e-7)
 
 
 def test_engine_error_on_the_device_names_sample_and_position():

@@ -29,7 +29,8 @@ import torch
 from slime_rc.config.schema import RolloutCorrectionConfig
 from slime_rc.correction.metrics import batch_totals, finish_metrics
 from slime_rc.correction.checks import DeferredChecks
-from slime_rc.correction.packed import BAD_INPUT_SUMMARY, check_packed_inputs, describe_bad_input
+from slime_rc.correction.packed import BAD_INPUT_SUMMARY, check_packed_inputs, describe_bad_input, \
+    token_sequence_ids
 from slime_rc.correction.records import PackedBatch
 from slime_rc.correction.reducer import LocalReducer, as_reducer
 from slime_rc.correction.sequence_stats import sequence_statistics
@@ -92,7 +93,8 @@ def compute_rollout_correction(
                          f"build one with RolloutCorrectionConfig(...) or RolloutCorrectionConfig.from_dict(d)")
     reducer = as_reducer(reducer)
     train, rollout, mask, cu, malformed = check_packed_inputs(train_log_probs, rollout_log_probs, loss_mask, cu_seqlens)
-    batch = PackedBatch(train, rollout, mask, cu, lengths=cu[1:] - cu[:-1])
+    batch = PackedBatch(train, rollout, mask, cu, lengths=cu[1:] - cu[:-1],
+                        sequence_ids=token_sequence_ids(cu, train.numel()))  # cu is well formed (clamped)
 
     reducer.agree("compute_rollout_correction", config, batch.n_seqs)          # 0. ranks agree (host-side)
     tokens = token_statistics(batch, config)                                    # 1. per token

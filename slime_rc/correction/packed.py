@@ -104,22 +104,33 @@ _MATRIX_TOKENS = 1 << 16
 _CHUNK_TOKENS = 1 << 16
 
 
+def _pieces(x: torch.Tensor):
+    """``x`` split for a conversion to float64: in pieces of ``_CHUNK_TOKENS`` on a CPU (a float64 copy of all N at
+    once is fresh memory each call, page faults that cost more than the sum; a piece's copy is small and reused),
+    whole on a GPU (each piece is a kernel launch; measured on an H100: 128 pieces a column made 8M tokens take
+    48 ms, launch-bound, and the caching allocator reuses the whole copy anyway)."""
+    if x.device.type != "cpu" or x.numel() <= _CHUNK_TOKENS:
+        return (x,)
+    return x.split(_CHUNK_TOKENS)
+
+
 def sum64(x: torch.Tensor) -> torch.Tensor:
-    """Sum of ``[N]`` float32 values (or 0/1 flags: exact), accumulated in float64 (0-d), converted in pieces of
-    ``_CHUNK_TOKENS``: a float64 copy of all N at once is fresh memory each call (on a CPU, page faults that cost
-    more than the sum); a piece's copy is small and reused."""
-    if x.numel() <= _CHUNK_TOKENS:  # one piece: fewest ops
+    """Sum of ``[N]`` float32 values (or 0/1 flags: exact), accumulated in float64 (0-d), converted in pieces
+    (:func:`_pieces`)."""
+    pieces = _pieces(x)
+    if len(pieces) == 1:  # one piece: fewest ops
         return x.double().sum()
-    return torch.stack([piece.double().sum() for piece in x.split(_CHUNK_TOKENS)]).sum()
+    return torch.stack([piece.double().sum() for piece in pieces]).sum()
 
 
 def sum_sq64(x: torch.Tensor) -> torch.Tensor:
     """Sum of squares of ``[N]`` float32 values, squared and accumulated in float64 (0-d; a float32 square would
     round, a float64 one is exact), in pieces as :func:`sum64`."""
-    if x.numel() <= _CHUNK_TOKENS:
+    pieces = _pieces(x)
+    if len(pieces) == 1:
         d = x.double()
         return torch.dot(d, d)
-    return torch.stack([torch.dot(d, d) for d in (piece.double() for piece in x.split(_CHUNK_TOKENS))]).sum()
+    return torch.stack([torch.dot(d, d) for d in (piece.double() for piece in pieces)]).sum()
 
 
 def _as_values(column: torch.Tensor) -> torch.Tensor:
@@ -158,28 +169,40 @@ def _blocks_of_column(column: torch.Tensor, count: bool, n: int, at: torch.Tenso
     whole = n // _BLOCK * _BLOCK
     dtype = torch.float32 if count else torch.float64  # counts: exact in float32 (<= 64 per block)
     # a reduction into another dtype converts its whole input first: in chunks, that copy stays small and reused
-    body = [piece.view(-1, _BLOCK).sum(1, dtype=dtype) for piece in values[:whole].split(_CHUNK_TOKENS)]
+    body = [piece.view(-1, _BLOCK).sum(1, dtype=dtype) for piece in _pieces(values[:whole])]
     tail = values[whole:].sum(dtype=dtype).reshape(1)
     return torch.cat(body + [tail]), values.index_select(0, at).view(-1, _BLOCK)
 
 
 def segment_max(values: torch.Tensor, sequence_of_tokens: torch.Tensor, n_seqs: int,
                 empty: float = -torch.inf) -> torch.Tensor:
-    """Per-sequence maxima ``[N] -> [B]`` (float64); an empty sequence gives ``empty``.  ``sequence_of_tokens``:
-    ``[N]`` int64, the sequence of each token (:func:`token_sequence_ids`)."""
-    out = torch.full((n_seqs,), empty, dtype=torch.float64, device=values.device)
-    return out.scatter_reduce_(0, sequence_of_tokens, values.double(), "amax")
+    """Per-sequence maxima ``[N] -> [B]`` (float64); an empty sequence gives ``empty`` (a value of the values'
+    floating dtype, such as -inf).  ``sequence_of_tokens``: ``[N]`` integer, the sequence of each token
+    (:func:`token_sequence_ids`).  Reduced in the values' dtype and converted after: a max rounds nothing, so the
+    result is the same as over float64 copies, without an ``[N]`` float64 buffer."""
+    out = torch.full((n_seqs,), empty, dtype=values.dtype, device=values.device)
+    # scatter_reduce_ takes int64 indices only
+    return out.scatter_reduce_(0, sequence_of_tokens.long(), values, "amax").double()
 
 
-def token_sequence_ids(lengths: torch.Tensor, n_tokens: int) -> torch.Tensor:
-    """``[B]`` lengths -> ``[N]`` int64 sequence index of each token (no host read: the total is given)."""
-    return torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths,
-                                   output_size=n_tokens)
+def token_sequence_ids(cu_seqlens: torch.Tensor, n_tokens: int) -> torch.Tensor:
+    """``[B+1]`` boundaries -> ``[N]`` int32 sequence index of each token (no host read: the total is given).
+
+    ``ids[t] = #{i >= 1 : cu_seqlens[i] <= t}``: a 1 added at each sequence end, then one prefix sum (an empty
+    sequence repeats a boundary, whose 1s add up).  ``cu_seqlens`` must be well formed (non-decreasing, within
+    ``[0, N]``).  Not ``repeat_interleave``: several times slower on a CPU.  int32 (B < 2**31): half the fresh memory
+    of int64 (on a CPU, page faults are most of the cost) and a faster prefix sum; ``index_select`` takes it as is.
+    """
+    ids = torch.zeros(n_tokens + 1, dtype=torch.int32, device=cu_seqlens.device)
+    ends = cu_seqlens[1:]
+    ids.index_add_(0, ends, torch.ones((), dtype=torch.int32, device=ids.device).expand(ends.numel()))
+    return torch.cumsum(ids, 0, dtype=torch.int32, out=ids)[:n_tokens]  # in place: no second [N] buffer
 
 
-def broadcast_to_tokens(per_sequence: torch.Tensor, lengths: torch.Tensor, total: int) -> torch.Tensor:
-    """``[B] -> [N]``: repeat each sequence's value over its tokens."""
-    return torch.repeat_interleave(per_sequence, lengths, output_size=total)
+def broadcast_to_tokens(per_sequence: torch.Tensor, cu_seqlens: torch.Tensor, n_tokens: int) -> torch.Tensor:
+    """``[B] -> [N]``: each sequence's value repeated over its tokens (one gather by :func:`token_sequence_ids`;
+    a caller that broadcasts more than once computes the ids once and gathers with ``index_select`` itself)."""
+    return per_sequence.index_select(0, token_sequence_ids(cu_seqlens, n_tokens))
 
 
 def sequence_of_token(token_index: int, cu_seqlens: torch.Tensor) -> int:

@@ -101,6 +101,8 @@ class PackedBatch:
     ``train`` / ``rollout``: ``[N]`` float32 log pi_train / log pi_rollout.  ``mask``: ``[N]`` float32 0/1 loss
     mask.
     ``cu_seqlens``: ``[B+1]`` int64 sequence boundaries.  ``lengths``: ``[B]`` int64 tokens of each sequence here.
+    ``sequence_ids``: ``[N]`` int32 sequence of each token (``packed.token_sequence_ids``), built once per call for
+    every ``[B] -> [N]`` gather (``values.index_select(0, sequence_ids)``).
     """
 
     train: torch.Tensor
@@ -108,6 +110,7 @@ class PackedBatch:
     mask: torch.Tensor
     cu_seqlens: torch.Tensor
     lengths: torch.Tensor
+    sequence_ids: torch.Tensor
 
     @property
     def n_tokens(self) -> int:

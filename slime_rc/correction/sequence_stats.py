@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from slime_rc.config.schema import RolloutCorrectionConfig
-from slime_rc.correction.packed import segment_max, segment_sums, token_sequence_ids
+from slime_rc.correction.packed import segment_max, segment_sums
 from slime_rc.correction.records import PackedBatch, SequenceStats, SequenceSums, TokenStats, leaves, \
     with_leaves
 from slime_rc.correction.reducer import LocalReducer
@@ -41,7 +41,7 @@ def sequence_statistics(batch: PackedBatch, tokens: TokenStats, config: RolloutC
     local_sums = segment_sums(leaves(layout), cu, tokens.counts).T  # [B, k], in SequenceSums field order
     local = with_leaves(layout, local_sums.unbind(1))
     if tokens.k_max_terms:
-        seq_of = token_sequence_ids(batch.lengths, batch.n_tokens)
+        seq_of = batch.sequence_ids.long()  # scatter_reduce_ takes int64 indices: converted once for every column
         local_maxes = torch.stack([segment_max(v, seq_of, n_seqs) for v in tokens.k_max_terms.values()], 1)
     else:
         local_maxes = torch.zeros(n_seqs, 0, dtype=torch.float64, device=dev)

@@ -25,7 +25,6 @@ from typing import Optional, Tuple
 import torch
 
 from slime_rc.config.schema import RolloutCorrectionConfig
-from slime_rc.correction.packed import broadcast_to_tokens
 from slime_rc.correction.records import BatchTotals, PackedBatch, SequenceDecisions, SequenceStats, TokenStats, \
     TokenWeights
 
@@ -121,12 +120,12 @@ def sequence_decisions(seqs: SequenceStats, config: RolloutCorrectionConfig) -> 
 # ---- 4. per-token keep mask and weights ----------------------------------------------------------------------------
 def token_weights(batch: PackedBatch, tokens: TokenStats, decisions: SequenceDecisions) -> TokenWeights:
     """Stage 4: ``keep = token keep x sequence not dropped`` and ``weights = w * keep`` (``[N]`` float32)."""
-    keep = tokens.keep * broadcast_to_tokens((~decisions.drop).float(), batch.lengths, batch.n_tokens)
+    keep = (~decisions.drop).float().index_select(0, batch.sequence_ids).mul_(tokens.keep)
     weights = None
     if tokens.is_weight is not None:
         weights = tokens.is_weight * keep
     elif decisions.is_weight is not None:
-        weights = broadcast_to_tokens(decisions.is_weight.float(), batch.lengths, batch.n_tokens).mul_(keep)
+        weights = decisions.is_weight.float().index_select(0, batch.sequence_ids).mul_(keep)
     return TokenWeights(keep=keep, weights=weights)
 
 

@@ -129,7 +129,7 @@ def _slime_mis(settings: SlimeMisSettings, train: torch.Tensor, rollout: torch.T
     dev = train.device
     n_tokens, n_seqs = train.numel(), cu_seqlens.numel() - 1
     # token -> its sequence, once; each broadcast below is then a gather
-    seq_of_token = token_sequence_ids(cu_seqlens[1:] - cu_seqlens[:-1], n_tokens)
+    seq_of_token = token_sequence_ids(cu_seqlens, n_tokens)
     per_tok = (lambda v: v.index_select(0, seq_of_token))
     # per-sequence metrics ([B] values that slime reports on every token) are broadcast together at the end
     metrics: Dict[str, Any] = {}
@@ -140,9 +140,10 @@ def _slime_mis(settings: SlimeMisSettings, train: torch.Tensor, rollout: torch.T
     lr = train - rollout
     finite = torch.isfinite(lr)
     bad = m_bool & ~finite
-    lr = torch.where(finite, lr, 0.0)  # values off the loss mask never reach a sum; NaN * 0 would
-    lr_c = lr.clamp(-SAFETY_BOUND, SAFETY_BOUND)
-    rho = torch.exp(lr_c)
+    # values off the loss mask never reach a sum; NaN * 0 would.  In place, as below: on a CPU every fresh [N]
+    # buffer costs page faults, more than the arithmetic
+    lr = torch.nan_to_num_(lr, 0.0, 0.0, 0.0)  # = where(finite, lr, 0.0)
+    rho = lr.clamp(-SAFETY_BOUND, SAFETY_BOUND).exp_()
 
     # ---- per-sequence pieces, combined over the CP group in one collective --------------------------------------
     sums = {
@@ -150,7 +151,7 @@ def _slime_mis(settings: SlimeMisSettings, train: torch.Tensor, rollout: torch.T
         "lr": lr * m,
         "train": torch.where(m_bool & torch.isfinite(train), train, 0.0),
         "rollout": torch.where(m_bool & torch.isfinite(rollout), rollout, 0.0),
-        "rho2": rho * rho * m,
+        "rho2": (rho * rho).mul_(m),
         "bad": bad.float(),
     }
     if s.veto is not None:
@@ -164,10 +165,14 @@ def _slime_mis(settings: SlimeMisSettings, train: torch.Tensor, rollout: torch.T
                  s.tis_upper), "mask": lambda: w0_tok}[s.tis_mode]() * m
         sums["w"] = w_tok
         maxes["w_max"] = torch.where(m_bool, w_tok, -math.inf)
-        maxes["w_neg_min"] = torch.where(m_bool, -w_tok, -math.inf)
+        maxes["w_neg_min"] = torch.where(m_bool, w_tok, math.inf).neg_()  # = where(m, -w, -inf): negation is exact
     zeros = torch.zeros(n_seqs, 0, dtype=torch.float64, device=dev)
     local_sums = segment_sums(list(sums.values()), cu_seqlens).T  # [B, k]
-    local_maxes = torch.stack([segment_max(v, seq_of_token, n_seqs) for v in maxes.values()], 1) if maxes else zeros
+    if maxes:  # scatter_reduce_ takes int64 indices: converted once for both columns
+        seq_of_token64 = seq_of_token.long()
+        local_maxes = torch.stack([segment_max(v, seq_of_token64, n_seqs) for v in maxes.values()], 1)
+    else:
+        local_maxes = zeros
     g_sums, g_maxes = reducer.combine_sequences(local_sums, local_maxes)
     col = dict(zip(sums, g_sums.unbind(1)))
     col.update(zip(maxes, g_maxes.unbind(1)))
@@ -188,8 +193,8 @@ def _slime_mis(settings: SlimeMisSettings, train: torch.Tensor, rollout: torch.T
     metrics["training_ppl"] = _PerSequence(torch.exp((-mean_train).clamp(max=_PPL_EXP_MAX)).float())
     metrics["rollout_log_ppl"] = _PerSequence((-mean_rollout).float())
     metrics["rollout_ppl"] = _PerSequence(torch.exp((-mean_rollout).clamp(max=_PPL_EXP_MAX)).float())
-    metrics["kl"] = -lr
-    metrics["k3_kl"] = rho - lr - 1
+    metrics["kl"] = _Masked(torch.neg(lr).mul_(m))
+    metrics["k3_kl"] = _Masked((rho - lr).sub_(1).mul_(m))
     metrics["log_ppl_diff"] = _PerSequence(diff.float())
     metrics["log_ppl_abs_diff"] = _PerSequence(diff.abs().float())
     metrics["ppl_ratio"] = _PerSequence(torch.exp(diff.clamp(-SAFETY_BOUND, SAFETY_BOUND)).float())
@@ -214,16 +219,16 @@ def _slime_mis(settings: SlimeMisSettings, train: torch.Tensor, rollout: torch.T
             w = per_tok(w_seq.float()) * m
         metrics["tis_weight_before_bound"] = w0
         if s.tis_mode == "truncate":
-            metrics["tis_truncate_fraction"] = (w0 > s.tis_upper).float()
+            metrics["tis_truncate_fraction"] = _flag(torch.gt, w0, s.tis_upper, m)
         else:
             kind = "clip" if s.tis_mode == "clip" else "mask"
-            metrics[f"tis_{kind}_fraction_low"] = (w0 < s.tis_lower).float()
-            metrics[f"tis_{kind}_fraction_high"] = (w0 > s.tis_upper).float()
+            metrics[f"tis_{kind}_fraction_low"] = _flag(torch.lt, w0, s.tis_lower, m)
+            metrics[f"tis_{kind}_fraction_high"] = _flag(torch.gt, w0, s.tis_upper, m)
             if s.tis_mode == "mask":
                 keep = keep * ((w0 >= s.tis_lower) & (w0 <= s.tis_upper)).float()
                 if not token_is:
                     seq_keep &= (w0_seq >= s.tis_lower) & (w0_seq <= s.tis_upper)
-        metrics["tis_weight_after_bound"] = w
+        metrics["tis_weight_after_bound"] = w_after = _Masked(w)  # w is 0 off the mask already (w = ... * m)
     else:
         w = torch.ones_like(lr)
 
@@ -236,16 +241,16 @@ def _slime_mis(settings: SlimeMisSettings, train: torch.Tensor, rollout: torch.T
             rs_w_seq = torch.exp(seq_lr.clamp(-SAFETY_BOUND, SAFETY_BOUND))
             seq_keep &= (rs_w_seq >= s.rs_lower) & (rs_w_seq <= s.rs_upper)
             rs_w = per_tok(rs_w_seq.float())
-        metrics["rs_mask_fraction_low"] = (rs_w < s.rs_lower).float()
-        metrics["rs_mask_fraction_high"] = (rs_w > s.rs_upper).float()
+        metrics["rs_mask_fraction_low"] = _flag(torch.lt, rs_w, s.rs_lower, m)
+        metrics["rs_mask_fraction_high"] = _flag(torch.gt, rs_w, s.rs_upper, m)
         keep = keep * ((rs_w >= s.rs_lower) & (rs_w <= s.rs_upper)).float()
     if s.veto is not None:
         vetoed = col["veto"] > 0
         seq_keep &= ~vetoed
-        metrics["rs_catastrophic_token_fraction"] = catastrophic.float()
+        metrics["rs_catastrophic_token_fraction"] = _Masked(sums["veto"])  # catastrophic.float(): 0 off the mask
         metrics["rs_catastrophic_seq_fraction"] = _PerSequence(vetoed.float())
         keep = keep * per_tok((~vetoed).float())
-    metrics["is_ratio_mean_after_tis_rs"] = w
+    metrics["is_ratio_mean_after_tis_rs"] = w_after if s.use_tis else w  # the same values: one masked copy
 
     # ---- batch normalization over the call's sequences (original mask, rejected tokens included) ---------------
     if token_is:
@@ -274,7 +279,10 @@ def _slime_mis(settings: SlimeMisSettings, train: torch.Tensor, rollout: torch.T
     metrics["is_ratio_mean_final"] = _PerSequence((seq_w_sum / n_safe / scale).float())
     metrics["is_ratio_min_final"] = _PerSequence(torch.where(has, w_min / scale, zero).float())
     metrics["is_ratio_max_final"] = _PerSequence(torch.where(has, w_max / scale, zero).float())
-    return SlimeMisResult(w.float() if s.use_tis else None, keep, seq_keep, _masked(metrics, m, seq_of_token))
+    weights = None
+    if s.use_tis:  # not the metric's tensor itself (w without batch normalization): the caller owns its weights
+        weights = w.float() if norm is not None else w.clone()
+    return SlimeMisResult(weights, keep, seq_keep, _masked(metrics, m, seq_of_token))
 
 
 class _PerSequence:
@@ -284,12 +292,27 @@ class _PerSequence:
         self.value = value
 
 
+class _Masked:
+    """A ``[N]`` metric already 0 off the loss mask (its product with the 0/1 mask is itself, bit for bit): returned
+    as it is by :func:`_masked`, without a fresh copy."""
+
+    def __init__(self, value: torch.Tensor):
+        self.value = value
+
+
+def _flag(compare, values: torch.Tensor, bound: float, m: torch.Tensor) -> _Masked:
+    """``compare(values, bound).float() * m`` (``[N]`` float32 0/1) in one fresh buffer: the comparison written
+    straight into float32 and masked in place (a bool result, its float copy and the product would be three)."""
+    return _Masked(compare(values, bound, out=torch.empty_like(values)).mul_(m))
+
+
 def _masked(metrics: Dict[str, Any], m: torch.Tensor, seq_of_token: torch.Tensor) -> Dict[str, torch.Tensor]:
     """Per-token metrics, zero off the loss mask: slime multiplies by the mask, and a value there must not be inf
     (inf * 0 = NaN).  The per-sequence ones (a ``[B]`` value may be inf: a perplexity past float32) are broadcast
     to their tokens in one gather of a ``[k, B + 1]`` matrix whose last column is 0, masked tokens pointing at it;
     the per-token ones are finite by construction (built from the zeroed and clamped log-ratio), so a product with
-    the 0/1 mask zeroes them (``torch.where`` over ``[k, N]`` costs several times more on a CPU)."""
+    the 0/1 mask zeroes them (``torch.where`` over ``[k, N]`` costs several times more on a CPU); a :class:`_Masked`
+    one is 0 off the mask already and is returned as it is (no fresh copy; two names given the same one share it)."""
     names = [k for k, v in metrics.items() if isinstance(v, _PerSequence)]
     out = {}
     if names:
@@ -298,4 +321,7 @@ def _masked(metrics: Dict[str, Any], m: torch.Tensor, seq_of_token: torch.Tensor
         table = torch.cat([table, table.new_zeros(len(names), 1)], 1)  # [k, B + 1]: column B holds the zeros
         at = torch.where(m != 0, seq_of_token, n_seqs)  # masked tokens read column B
         out = dict(zip(names, table.index_select(1, at).detach().unbind()))
-    return {k: out[k] if k in out else (v * m).detach() for k, v in metrics.items()}
+    for k, v in metrics.items():
+        if k not in out:
+            out[k] = (v.value if isinstance(v, _Masked) else v * m).detach()
+    return {k: out[k] for k in metrics}

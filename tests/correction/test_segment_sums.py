@@ -108,3 +108,37 @@ def test_engine_outputs_equal_on_both_paths(config, monkeypatch):
         torch.testing.assert_close(blocked.sequences[k], matrix.sequences[k], rtol=1e-12, atol=1e-12)
     for k in matrix.metrics:
         assert math.isclose(float(blocked.metrics[k]), float(matrix.metrics[k]), rel_tol=1e-9, abs_tol=1e-12), k
+
+
+@pytest.mark.parametrize("lengths", LENGTHS + [[], [0], [0, 0, 0], [1] * 70])
+def test_token_sequence_ids_equal_repeat_interleave(lengths):
+    """``token_sequence_ids`` (marks at the sequence ends, prefix-summed) is the ``repeat_interleave`` form, empty
+    sequences included; the broadcast built on it repeats each value over its sequence's tokens."""
+    cu, n = cu_seqlens_from_lengths(lengths), sum(lengths)
+    want = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths, dtype=torch.int64))
+    ids = packed.token_sequence_ids(cu, n)
+    assert ids.shape == (n,) and ids.dtype == torch.int32
+    assert torch.equal(ids.long(), want)
+    values = torch.randn(len(lengths))
+    assert torch.equal(packed.broadcast_to_tokens(values, cu, n), values[want])
+
+
+def test_token_sequence_ids_random_lengths():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        lengths = torch.randint(0, 50, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g)
+        lengths[torch.rand(lengths.shape, generator=g) < 0.3] = 0  # many empty sequences, runs of them too
+        cu = cu_seqlens_from_lengths(lengths)
+        ids = packed.token_sequence_ids(cu, int(lengths.sum()))
+        assert torch.equal(ids.long(), torch.repeat_interleave(torch.arange(lengths.numel()), lengths))
+
+
+def test_segment_max_equals_float64_max():
+    """``segment_max`` reduces in the values' dtype: the same maxima as over float64 copies; -inf when empty."""
+    lengths = [3, 0, 64, 1, 0, 200]
+    cu, n = cu_seqlens_from_lengths(lengths), sum(lengths)
+    values = torch.randn(n) * 1e3
+    got = packed.segment_max(values, packed.token_sequence_ids(cu, n), len(lengths))
+    want = torch.tensor([p.double().max().item() if p.numel() else -math.inf for p in values.split(lengths)],
+                        dtype=torch.float64)
+    assert got.dtype == torch.float64 and torch.equal(got, want)
