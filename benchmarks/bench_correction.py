@@ -591,6 +591,47 @@ def measure_case(label: str, lengths: List[int], quick: bool, check: bool) -> di
     return row
 
 
+def in_step_case(label: str, lengths: List[int], rounds: int, gpu_ms: float = 20.0) -> dict:
+    """On a GPU, what a call adds to a training step: each contender is called right after ~``gpu_ms`` of queued GPU
+    work (a chain of bf16 8192x8192 matrix products standing for the forward pass the loss follows), then the stream
+    is drained; the work alone, timed the same way, is subtracted.  A call without host synchronisation is dispatched
+    while the GPU still computes (its kernels queue behind the work); one with host reads waits for the work first."""
+    from custom_tis.mis import compute_mis_weights
+
+    train, rollout, mask, cu = make_batch(lengths)
+    lists = [list(t.split(lengths)) for t in (train, rollout, mask)]
+    a = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
+    a @ a  # the first product sets up the BLAS handle: not in the calibration
+    sync()
+    t = time.perf_counter()
+    for _ in range(5):
+        a @ a
+    sync()
+    k = max(1, round(gpu_ms / ((time.perf_counter() - t) / 5 * 1e3)))
+
+    def work():
+        for _ in range(k):
+            a @ a
+
+    fns = {"work": timed(work),
+           "work+ours": timed(lambda: (work(), rc.compute_rollout_correction(train, rollout, mask, cu, CONFIG))),
+           "work+plugin": timed(lambda: (work(), compute_mis_weights(SLIME_ARGS, train_log_probs=lists[0],
+                                                                      rollout_log_probs=lists[1],
+                                                                      loss_masks=lists[2]))),
+           "work+ref": timed(lambda: (work(), loop_reference(*lists, CONFIG)))}
+    t = interleaved(fns, rounds)
+    return {"case": label, "work_s": t["work"], **{f"{name}_added_s": t[f"work+{name}"] - t["work"]
+                                                    for name in ("ours", "plugin", "ref")}}
+
+
+def print_in_step(rows: List[dict]) -> None:
+    print("in a step (GPU): time each call adds after ~20 ms of queued GPU work (median; the work alone subtracted)")
+    print(f"{'batch':27s} {'work':>8s} {'ours adds':>10s} {'plugin adds':>12s} {'loop ref adds':>14s}")
+    for r in rows:
+        print(f"{r['case']:27s} {r['work_s'] * 1e3:6.1f}ms {r['ours_added_s'] * 1e3:8.2f}ms "
+              f"{r['plugin_added_s'] * 1e3:10.2f}ms {r['ref_added_s'] * 1e3:12.2f}ms")
+
+
 def goals(rows: List[dict]) -> List[dict]:
     by = {r["case"]: r for r in rows}
     out = []
@@ -673,6 +714,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
             print("loop reference == slime_rc.testing.reference.reference_correction on every case: "
                   + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
         print_table(rows)
+        if DEVICE.type == "cuda":
+            steps = [in_step_case(label, lengths, 5 if args.quick else 15) for label, lengths in cases()]
+            print_in_step(steps)
+            report.setdefault("in_step", []).append(steps)
         sizes = SWEEP_QUICK if args.quick else SWEEP
         points = [sweep_point(n, 2 if args.quick else (5 if n <= 1_000_000 else 3)) for n in sizes]
         print("scaling (ours; peak = " + ("torch.cuda.max_memory_allocated above the inputs):" if DEVICE.type == "cuda"
