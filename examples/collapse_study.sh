@@ -6,6 +6,9 @@
 #
 # Usage: bash examples/collapse_study.sh [OUT_DIR] [PARALLEL_JOBS] [SEEDS] ["CONFIG ..."]
 #   e.g. bash examples/collapse_study.sh runs/collapse 2 5            (45 runs; ~35 min on 2 CPU cores)
+# Another engine and mismatch: ENGINE (flags added to every run) and MISMATCH (the mismatch's flags, in every row but
+# the reference, after the base's --rollout-dtype fp32), e.g. the real vLLM engine in bf16 against fp32 vLLM:
+#   ENGINE="--rollout-engine vllm" MISMATCH="--rollout-dtype bf16" bash examples/collapse_study.sh runs/collapse_vllm 2 5
 set -euo pipefail
 OUT=${1:-runs/collapse}
 JOBS=${2:-2}
@@ -14,11 +17,11 @@ ONLY=${4:-}  # optional: a space-separated subset of the configurations
 RC=${SLIME_RC:-python -m slime_rc}  # the slime-rc command (run from the repository root, or set SLIME_RC=slime-rc)
 # the regime: 6-digit copy, 60 supervised warm-start steps, then 120 GRPO steps of 16 prompts x 8 samples at lr 1e-2
 BASE="--digits 6 --warm-start-steps 60 --num-steps 120 --prompts-per-step 16 --group-size 8 --lr 1e-2"
-BASE="$BASE --rollout-dtype fp32 --no-use-tensorboard"
-MISMATCH="--rollout-prob-floor 2e-3"
+BASE="$BASE --rollout-dtype fp32 --no-use-tensorboard ${ENGINE:-}"
+MISMATCH=${MISMATCH:-"--rollout-prob-floor 2e-3"}
 CONFIGS=(reference no_correction token_tis seq_mis geo_rs bypass_pg_is veto bypass_pg_none seq_mis_veto)
 declare -A FLAGS=(
-  [reference]="--get-mismatch-metrics"                                   # no floor: rollouts = the trainer's policy
+  [reference]="--get-mismatch-metrics"                                   # no mismatch: rollouts = the trainer's policy
   [no_correction]="$MISMATCH --get-mismatch-metrics"                     # metrics only: loss bit-identical to none
   [token_tis]="$MISMATCH --use-tis"                                      # decoupled PPO + token TIS (cap 2)
   [seq_mis]="$MISMATCH --rollout-correction-preset decoupled_seq_is_rs"  # sequence IS (cap 2) + sequence RS [0.5, 2]

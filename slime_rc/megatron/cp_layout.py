@@ -26,7 +26,7 @@ from typing import List, Sequence, Tuple
 
 import torch
 
-from slime_rc.correction.packed import upload
+from slime_rc.correction.packed import token_sequence_ids, upload
 
 
 def _check_rank(cp_size: int, cp_rank: int) -> None:
@@ -157,18 +157,18 @@ def expand_runs(starts: Sequence[Sequence[int]], lengths: Sequence[int], n: int,
                 constant: int = 0) -> torch.Tensor:
     """``[n, width]`` int64 index tensors for runs of consecutive tokens: the ``i``-th token of run ``r`` holds
     ``starts[r][c] + i`` in column ``c``, or ``starts[r][c]`` in the last ``constant`` columns (such as the run's
-    sample).  Built on ``device`` from O(runs) Python ints with one upload and no host read (``repeat_interleave``
-    is told its output size)."""
+    sample).  Built on ``device`` from O(runs) Python ints with one upload and no host read: each token's run by
+    ``packed.token_sequence_ids`` over the runs' boundaries (the last table column), then one row gather."""
     k = width
     stepping = k - constant
     rows, total = [], 0
     for row, length in zip(starts, lengths):
-        rows.append([s - total for s in row[:stepping]] + list(row[stepping:]) + [length])
+        rows.append([s - total for s in row[:stepping]] + list(row[stepping:]) + [total])
         total += length
     if total != n:
         raise ValueError(f"runs of {total} tokens for {n} tokens")
-    table = upload(rows, torch.int64, device).reshape(-1, k + 1)
-    base = torch.repeat_interleave(table[:, :k], table[:, k], dim=0, output_size=n)
+    table = upload(rows + [[0] * k + [n]], torch.int64, device).reshape(-1, k + 1)  # last row: the end boundary
+    base = table[:-1, :k].index_select(0, token_sequence_ids(table[:, k], n))
     step = base[:, :stepping] + torch.arange(n, dtype=torch.int64, device=base.device)[:, None]
     return torch.cat([step, base[:, stepping:]], 1) if constant else step
 

@@ -30,7 +30,7 @@ import torch
 from slime_rc.config.schema import RolloutCorrectionConfig
 from slime_rc.correction.checks import DeferredChecks
 from slime_rc.correction.engine import CorrectionResult, compute_rollout_correction
-from slime_rc.correction.packed import segment_sum, upload
+from slime_rc.correction.packed import segment_sum, token_sequence_ids, upload
 from slime_rc.correction.reducer import LocalReducer, megatron_reducer, megatron_step_group, sum_named_values
 from slime_rc.losses import LossNormalizer, compute_policy_loss, loss_normalizer
 from slime_rc.megatron.cp_layout import expand_runs, response_positions, response_runs, zigzag_response_indices
@@ -273,11 +273,10 @@ def tis_function_correction(tis_function: Callable, args, micro_batch: Dict[str,
 
     # the layout the positions say must be the one computed above (checked on the device, read once by the caller)
     first = upload([t - r - 1 for t, r in zip(lengths, responses)], torch.int64, device)
-    seq_of_row = torch.repeat_interleave(torch.arange(len(lengths), device=device),
-                                         upload(local, torch.int64, device), output_size=n)
+    cu_want = upload([0] + local, torch.int64, device).cumsum(0)
+    seq_of_row = token_sequence_ids(cu_want, n)
     j_of_row = pos.to(torch.int64) - first[seq_of_row]  # response_positions, per row of every sample
     holds = (j_of_row >= 0) & (j_of_row < upload(responses, torch.int64, device)[seq_of_row])
-    cu_want = upload([0] + local, torch.int64, device).cumsum(0)
     bad_layout = ((holds.sum() != n_local) | (pos[idx] != first[sample] + jj).any()
                   | (cu_dev.to(torch.int64) != cu_want).any())
 
