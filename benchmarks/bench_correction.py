@@ -538,19 +538,17 @@ def sweep_point(n_tokens: int, rounds: int) -> dict:
     times = interleaved({"ours": timed(lambda: rc.compute_rollout_correction(train, rollout, mask, cu, CONFIG)),
                          "floor": timed(lambda: (train - rollout).sum())}, rounds, inner=FLOOR_INNER)
     n = train.numel()
-    if DEVICE.type == "cuda":
+    if DEVICE.type == "cuda":  # the caching allocator's own peak, in this process
         memory = {"ours_peak_bytes_per_token": cuda_peak_extra_bytes(
                       lambda: rc.compute_rollout_correction(train, rollout, mask, cu, CONFIG)) / n,
                   "floor_peak_bytes_per_token": cuda_peak_extra_bytes(lambda: (train - rollout).sum()) / n}
-        return {"tokens": n, "samples": len(lengths), "ours_s": times["ours"], "floor_s": times["floor"],
-                "ours_ns_per_token": times["ours"] / n * 1e9, "floor_ns_per_token": times["floor"] / n * 1e9,
-                **memory}
-    del train, rollout, mask, cu
-    gc.collect()
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="131072", OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--sweep-memory", str(n_tokens)], env=env,
-                         capture_output=True, text=True, check=True)
-    memory = json.loads(out.stdout.strip().splitlines()[-1])
+    else:
+        train = rollout = mask = cu = None  # freed before the subprocess measures
+        gc.collect()
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="131072", OMP_NUM_THREADS="1")
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--sweep-memory", str(n_tokens)], env=env,
+                             capture_output=True, text=True, check=True)
+        memory = json.loads(out.stdout.strip().splitlines()[-1])
     return {"tokens": n, "samples": len(lengths), "ours_s": times["ours"], "floor_s": times["floor"],
             "ours_ns_per_token": times["ours"] / n * 1e9, "floor_ns_per_token": times["floor"] / n * 1e9, **memory}
 
