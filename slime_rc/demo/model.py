@@ -820,6 +820,7 @@ def _on(local_mb: dict, device: torch.device) -> dict:
     """A sharded micro-batch with its tensors (and its ``PackedSeqParams``' cu_seqlens) on ``device``."""
     if device.type == "cpu":
         return local_mb
+
     def move(v):
         if isinstance(v, torch.Tensor):
             return v.to(device)
