@@ -553,39 +553,39 @@ def sweep_point(n_tokens: int, rounds: int) -> dict:
             "ours_ns_per_token": times["ours"] / n * 1e9, "floor_ns_per_token": times["floor"] / n * 1e9, **memory}
 
 
-def measure_case(label: str, lengths: List[int], quick: bool, check: bool) -> dict:
+def contenders(lengths: List[int]):
+    """``({name: call}, inputs, lists)`` for one batch of ``lengths``: ours, the plugin, the loop reference and the
+    floor (module docstring) on the same data; ``inputs``: the packed ``(train, rollout, mask)``; ``lists``: the
+    per-sample lists the plugin and the loop take."""
     from custom_tis.mis import compute_mis_weights
 
     train, rollout, mask, cu = make_batch(lengths)
     lists = [list(t.split(lengths)) for t in (train, rollout, mask)]
-    big = train.numel() > 100_000
+    return {"ours": lambda: rc.compute_rollout_correction(train, rollout, mask, cu, CONFIG),
+            "plugin": lambda: compute_mis_weights(SLIME_ARGS, train_log_probs=lists[0], rollout_log_probs=lists[1],
+                                                  loss_masks=lists[2]),
+            "ref": lambda: loop_reference(*lists, CONFIG),
+            "floor": lambda: (train - rollout).sum()}, (train, rollout, mask), lists
+
+
+def measure_case(label: str, lengths: List[int], quick: bool, check: bool) -> dict:
+    fns, inputs, lists = contenders(lengths)
+    ours, plugin = fns["ours"], fns["plugin"]
+    n_tokens = inputs[0].numel()
+    big = n_tokens > 100_000
     rounds = (3 if big else 15) if quick else (7 if big else 60)
 
-    def ours():
-        return rc.compute_rollout_correction(train, rollout, mask, cu, CONFIG)
-
-    def plugin():
-        return compute_mis_weights(SLIME_ARGS, train_log_probs=lists[0], rollout_log_probs=lists[1],
-                                   loss_masks=lists[2])
-
-    def ref():
-        return loop_reference(*lists, CONFIG)
-
-    def floor():
-        return (train - rollout).sum()
-
-    row = {"case": label, "samples": len(lengths), "tokens": train.numel()}
+    row = {"case": label, "samples": len(lengths), "tokens": n_tokens}
     if check:  # the loop's numbers are device-independent: checked on the host
         row["reference_check"] = check_loop_reference([[t.cpu() for t in ts] for ts in lists], CONFIG)
-    t = interleaved({"ours": timed(ours), "plugin": timed(plugin), "ref": timed(ref), "floor": timed(floor)}, rounds,
-                    inner=FLOOR_INNER)
+    t = interleaved({name: timed(fn) for name, fn in fns.items()}, rounds, inner=FLOOR_INNER)
     row.update({f"{k}_s": v for k, v in t.items()})
     row.update(ref_over_ours=t["ref"] / t["ours"], ref_over_plugin=t["ref"] / t["plugin"],
                ours_over_floor=t["ours"] / t["floor"], ours_host_syncs=host_syncs(ours),
                plugin_host_syncs=host_syncs(plugin))
     metrics = ours().metrics
     metric_bytes = sum(v.numel() * v.element_size() for v in metrics.values() if isinstance(v, torch.Tensor))
-    row["metric_mem_over_input"] = metric_bytes / sum(x.numel() * x.element_size() for x in (train, rollout, mask))
+    row["metric_mem_over_input"] = metric_bytes / sum(x.numel() * x.element_size() for x in inputs)
     return row
 
 
@@ -594,10 +594,7 @@ def in_step_case(label: str, lengths: List[int], rounds: int, gpu_ms: float = 20
     work (a chain of bf16 8192x8192 matrix products standing for the forward pass the loss follows), then the stream
     is drained; the work alone, timed the same way, is subtracted.  A call without host synchronisation is dispatched
     while the GPU still computes (its kernels queue behind the work); one with host reads waits for the work first."""
-    from custom_tis.mis import compute_mis_weights
-
-    train, rollout, mask, cu = make_batch(lengths)
-    lists = [list(t.split(lengths)) for t in (train, rollout, mask)]
+    fns, _, _ = contenders(lengths)
     a = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
     a @ a  # the first product sets up the BLAS handle: not in the calibration
     sync()
@@ -611,15 +608,12 @@ def in_step_case(label: str, lengths: List[int], rounds: int, gpu_ms: float = 20
         for _ in range(k):
             a @ a
 
-    fns = {"work": timed(work),
-           "work+ours": timed(lambda: (work(), rc.compute_rollout_correction(train, rollout, mask, cu, CONFIG))),
-           "work+plugin": timed(lambda: (work(), compute_mis_weights(SLIME_ARGS, train_log_probs=lists[0],
-                                                                      rollout_log_probs=lists[1],
-                                                                      loss_masks=lists[2]))),
-           "work+ref": timed(lambda: (work(), loop_reference(*lists, CONFIG)))}
-    t = interleaved(fns, rounds)
+    names = ("ours", "plugin", "ref")
+    after_work = {"work": timed(work)}
+    after_work.update({f"work+{name}": timed(lambda fn=fns[name]: (work(), fn())) for name in names})
+    t = interleaved(after_work, rounds)
     return {"case": label, "work_s": t["work"], **{f"{name}_added_s": t[f"work+{name}"] - t["work"]
-                                                    for name in ("ours", "plugin", "ref")}}
+                                                    for name in names}}
 
 
 def print_in_step(rows: List[dict]) -> None:

@@ -61,8 +61,8 @@ class Batch:
     tokens); ``cu_seqlens``: ``[B+1]``; ``lengths``: this rank's token count per sample; ``sample_of_token``:
     ``[N]`` integer (a property, built on first use); ``full_index`` / ``positions``: ``[N]`` int64 position of each
     token in the concatenated full masks / in its sample's response (None when this rank holds every response whole:
-    no CP); ``full_masks``: the caller's full-length masks.  ``checks`` receives the check that the masks hold only 0 and 1 (deferred: no host
-    read here; without ``checks`` it is read at once).
+    no CP); ``full_masks``: the caller's full-length masks.  ``checks`` receives the check that the masks hold only
+    0 and 1 (deferred: no host read here; without ``checks`` it is read at once).
     """
 
     def __init__(self, train_log_probs: TensorList, rollout_log_probs: TensorList, loss_masks: TensorList,

@@ -127,6 +127,14 @@ def _engine_configs():
     return CONFIGS
 
 
+def assert_same_correction(want, got, what: str, seq_atol: float = 1e-7) -> None:
+    """Two ``CorrectionResult``: weights, keep mask and per-sequence values to float32 rounding, metrics to 1e-5."""
+    assert_same(want.is_weights, got.is_weights, f"{what} is_weights")
+    assert_same(want.keep_mask, got.keep_mask, f"{what} keep_mask")
+    assert_same(want.sequences, got.sequences, f"{what} sequences", atol=seq_atol)
+    assert_same(want.metrics, got.metrics, f"{what} metrics", rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("mode", ["reject", "error"])
 @pytest.mark.parametrize("name", list(_engine_configs()))
 def test_engine_on_the_device_equals_the_cpu(name, mode):
@@ -135,10 +143,7 @@ def test_engine_on_the_device_equals_the_cpu(name, mode):
     dev = to(cpu)
     want = compute_rollout_correction(*cpu, config)
     got = run_checked(lambda: compute_rollout_correction(*dev, config), mode)
-    assert_same(want.is_weights, got.is_weights, "is_weights")
-    assert_same(want.keep_mask, got.keep_mask, "keep_mask")
-    assert_same(want.sequences, got.sequences, "sequences")
-    assert_same(want.metrics, got.metrics, "metrics", rtol=1e-5, atol=1e-7)
+    assert_same_correction(want, got, name)
 
 
 def test_engine_on_a_large_batch_on_the_device_equals_the_cpu():
@@ -158,10 +163,7 @@ def test_engine_on_a_large_batch_on_the_device_equals_the_cpu():
         config = replace(_engine_configs()[name], on_nonfinite="reject")
         want = compute_rollout_correction(*cpu, config)
         got = run_checked(lambda: compute_rollout_correction(*dev, config), "reject")
-        assert_same(want.is_weights, got.is_weights, f"{name} is_weights")
-        assert_same(want.keep_mask, got.keep_mask, f"{name} keep_mask")
-        assert_same(want.sequences, got.sequences, f"{name} sequences", rtol=1e-6, atol=1e-6)
-        assert_same(want.metrics, got.metrics, f"{name} metrics", rtol=1e-5, atol=1e-7)
+        assert_same_correction(want, got, name, seq_atol=1e-6)
 
 
 def test_engine_error_on_the_device_names_sample_and_position():
