@@ -5,7 +5,7 @@
 # mismatch.  Then the study's table and curves, and `slime-rc analyze` of a collapsed no-correction run's dump.
 #
 # Usage: bash examples/collapse_study.sh [OUT_DIR] [PARALLEL_JOBS] [SEEDS] ["CONFIG ..."]
-#   e.g. bash examples/collapse_study.sh runs/collapse 2 5            (45 runs; ~35 min on 2 CPU cores)
+#   e.g. bash examples/collapse_study.sh runs/collapse 2 5            (55 runs; ~45 min on 2 CPU cores)
 # Another engine and mismatch: ENGINE (flags added to every run) and MISMATCH (the mismatch's flags, in every row but
 # the reference, after the base's --rollout-dtype fp32), e.g. the real vLLM engine in bf16 against fp32 vLLM:
 #   ENGINE="--rollout-engine vllm" MISMATCH="--rollout-dtype bf16" bash examples/collapse_study.sh runs/collapse_vllm 2 5
@@ -19,7 +19,7 @@ RC=${SLIME_RC:-python -m slime_rc}  # the slime-rc command (run from the reposit
 BASE="--digits 6 --warm-start-steps 60 --num-steps 120 --prompts-per-step 16 --group-size 8 --lr 1e-2"
 BASE="$BASE --rollout-dtype fp32 --no-use-tensorboard ${ENGINE:-}"
 MISMATCH=${MISMATCH:-"--rollout-prob-floor 2e-3"}
-CONFIGS=(reference no_correction token_tis seq_mis geo_rs bypass_pg_is veto bypass_pg_none seq_mis_veto)
+CONFIGS=(reference no_correction token_tis seq_mis geo_rs bypass_pg_is veto bypass_pg_none seq_mis_veto seq_is seq_is_veto)
 declare -A FLAGS=(
   [reference]="--get-mismatch-metrics"                                   # no mismatch: rollouts = the trainer's policy
   [no_correction]="$MISMATCH --get-mismatch-metrics"                     # metrics only: loss bit-identical to none
@@ -28,13 +28,15 @@ declare -A FLAGS=(
   [geo_rs]="$MISMATCH --rollout-correction-preset decoupled_geo_rs --rs-upper-bound 0.8_1.25"  # + veto 1e-4
   [bypass_pg_is]="$MISMATCH --rollout-correction-preset bypass_pg_is"    # bypass REINFORCE + sequence IS (cap 2)
   [veto]="$MISMATCH --rs-veto-threshold 1e-4"                            # decoupled PPO + veto only
-  # controls: bypass REINFORCE without IS (is bypass_pg_is stable for its loss or its weights?), and the preset
-  # slime-rc analyze recommends on a collapsed no-correction dump (seq-MIS + veto 1e-4)
+  # controls: bypass REINFORCE without IS (is bypass_pg_is stable for its loss or its weights?), and what slime-rc
+  # analyze recommended on a collapsed no-correction dump before its Seq-TIS rule (seq-MIS + veto 1e-4)
   [bypass_pg_none]="$MISMATCH --use-rollout-logprobs --rollout-correction-loss-type reinforce --get-mismatch-metrics"
   [seq_mis_veto]="$MISMATCH --rollout-correction-preset decoupled_seq_is_rs --rs-veto-threshold 1e-4"
-  # not in the default list (name it in CONFIG ...): sequence IS without RS, what analyze recommends at a moderate
-  # mismatch (the vLLM bf16 study of docs/results.md)
+  # sequence IS without RS: what analyze recommends on that dump (severe, but no high-weight tail for Seq-MIS to
+  # filter, and a veto that would drop 17% of samples sequence IS already weighs ~0; docs/analyze.md), and the same
+  # with the veto
   [seq_is]="$MISMATCH --rollout-correction-preset decoupled_seq_is"
+  [seq_is_veto]="$MISMATCH --rollout-correction-preset decoupled_seq_is --rs-veto-threshold 1e-4"
 )
 for name in $ONLY; do
   [[ -n ${FLAGS[$name]+x} ]] || { echo "unknown configuration $name; give some of: ${!FLAGS[*]}" >&2; exit 2; }

@@ -318,6 +318,57 @@ def test_catastrophic_tokens_bring_the_veto(dumps):
     assert f"{100 * row['rejected_seq_fraction']:.3g}% of samples" in r["reasons"][-1]
 
 
+def floor_records(n=120, seed=0):
+    """The collapse study's mismatch (docs/results.md): an engine that keeps a probability floor, q = 0.968 p + 0.002.
+    Short samples of confident tokens (their ratio p/q ~ 1.03: no sequence ratio reaches 2) and, in a fifth of the
+    samples, one token the engine drew from the floor although the trainer gives it p = 1e-6 (ratio 5e-4) or
+    1e-8 (ratio 5e-6: catastrophic)."""
+    g = torch.Generator().manual_seed(seed)
+    records = []
+    for i in range(n):
+        T = int(torch.randint(6, 9, (1,), generator=g))
+        p = 1.0 - 0.05 * torch.rand(T, generator=g, dtype=torch.float64)
+        if i % 5 == 0:
+            p[T // 2] = 1e-6 if i % 10 == 0 else 1e-8
+        q = 0.968 * p + 0.002
+        records.append(sample_record(p.log().float(), q.log().float(), torch.ones(T), step=i % 2, sample=i,
+                                     reward=0.0, advantage=0.0))
+    return records
+
+
+def test_severe_mismatch_without_a_high_weight_tail_gets_seq_tis_without_veto(tmp_path, dumps):
+    """Severe, short, but nothing above the upper bound: Seq-MIS would only reject the low side, samples Seq-TIS
+    already weighs ~0 (the collapse study's floor dump: Seq-TIS stable in 5/5 seeds, Seq-MIS collapsed in 3/5);
+    the veto, dropping 10% of the samples that sequence IS already suppresses, is left out too.  A dump whose tail
+    is high-weight keeps Seq-MIS, and a veto dropping few samples stays."""
+    r = analyze(write_dump(tmp_path, floor_records(), steps=2))
+    rec = r["recommendation"]
+    tis, mis = r["presets"]["decoupled_seq_is"], r["presets"]["decoupled_seq_is_rs"]
+    assert rec["severity"] == "severe" and rec["length_regime"] == "short", r["reasons"]
+    assert tis["metrics"]["rollout_is_seq_fraction_high"] < R.SEQ_MIS_HIGH_FRACTION
+    assert mis["rejected_seq_fraction"] == pytest.approx(0.2)  # Seq-MIS rejects the floor samples ...
+    share = R.weight_share_removed(tis, mis)
+    assert 0 < share < R.SEQ_MIS_WEIGHT_SHARE  # ... which carry almost none of Seq-TIS's weight
+    assert (r["recommended_preset"], rec["flags"]) == ("decoupled_seq_is", "--rollout-correction-preset decoupled_seq_is")
+    assert any(r_.startswith("Seq-TIS (decoupled_seq_is), not Seq-MIS") and f"{share:.3g}" in r_ for r_ in r["reasons"])
+    veto_frac = r["rollout_is_veto_fraction"]
+    assert veto_frac == pytest.approx(0.1) and veto_frac > R.MAX_VETO_SEQ_FRACTION
+    vetoed = r["veto_variants"]["decoupled_seq_is"]
+    assert R.weight_share_removed(tis, vetoed) < R.VETO_WEIGHT_SHARE
+    assert any(r_.startswith("no veto:") for r_ in r["reasons"]) and not any(r_.startswith("veto:") for r_ in r["reasons"])
+    assert any("investigate the engine" in w for w in rec["warnings"])
+    # the rule's inputs are the engine's: Seq-TIS's weight mass with and without Seq-MIS's rejections
+    cfg = RolloutCorrectionConfig.preset("decoupled_seq_is")
+    out = engine_on_whole_dump(write_dump(tmp_path / "again", floor_records(), steps=2), cfg)
+    assert close(tis["metrics"]["rollout_is_mean"], float(out.metrics["rollout_is_mean"]), rel=1e-6)
+    # a high-weight tail keeps Seq-MIS; a veto that drops few samples stays on a sequence-IS choice
+    severe = analyze(dumps["short_severe"])
+    assert severe["recommended_preset"] == "decoupled_seq_is_rs"
+    assert severe["presets"]["decoupled_seq_is"]["metrics"]["rollout_is_seq_fraction_high"] >= R.SEQ_MIS_HIGH_FRACTION
+    few = analyze(dumps["catastrophic"])
+    assert few["rollout_is_veto_fraction"] <= R.MAX_VETO_SEQ_FRACTION and "--rs-veto-threshold" in few["recommendation"]["flags"]
+
+
 def test_tight_geometric_band_is_flagged_with_a_band_the_engine_confirms(dumps):
     """Long samples with moderate mismatch: the default geometric band [0.999, 1.001] rejects most samples; the
     warning's suggested band, run through the launch-flag resolution and the engine, keeps >= 95% of them."""

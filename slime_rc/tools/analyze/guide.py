@@ -19,9 +19,20 @@ Three questions, each answered by a named threshold (documented in docs/analyze.
 
 Choice: negligible -> ``bypass_ppo_clip``; moderate short -> Seq-TIS (``decoupled_seq_is``); moderate long ->
 Geo-RS-Seq-TIS (``decoupled_geo_rs_seq_tis``), or pure Geo-RS (``decoupled_geo_rs``) once sequence weights have
-collapsed; severe short -> Seq-MIS (``decoupled_seq_is_rs``); severe long -> Geo-RS (``decoupled_geo_rs``).  A dump
-recorded in bypass mode gets the bypass twin of the choice.  Every number about what a preset would reject comes
-from the engine run on the dump (``report["presets"]``), never from a second implementation.
+collapsed; severe short -> Seq-MIS (``decoupled_seq_is_rs``), or Seq-TIS when the dump has no high-weight samples
+for Seq-MIS to filter (§5.3: "use Seq-MIS when high-weight samples are likely garbage"; below); severe long ->
+Geo-RS (``decoupled_geo_rs``).  A dump recorded in bypass mode gets the bypass twin of the choice.  Every number
+about what a preset would reject comes from the engine run on the dump (``report["presets"]``), never from a second
+implementation.
+
+Rejection that removes almost no IS weight is not worth its cost: a rejected sample leaves the batch (the loss
+denominator, GRPO's group baselines) although its weight was ~0 already.  Hence, under severe mismatch on short
+samples, Seq-TIS rather than Seq-MIS when fewer than ``SEQ_MIS_HIGH_FRACTION`` of the samples have a sequence ratio
+above the upper bound (nothing "high-weight" to reject) and Seq-MIS would remove less than ``SEQ_MIS_WEIGHT_SHARE``
+of Seq-TIS's weight mass (its rejections are the low side, which truncated IS already weighs ~0); and no veto on a
+sequence-IS choice when it would drop more than ``MAX_VETO_SEQ_FRACTION`` of the samples while they carry less than
+``VETO_WEIGHT_SHARE`` of the weight mass (the sequence weight ``prod_t r_t <= r_min * ...`` already suppresses the
+catastrophic update the veto exists for, §3.5).  Measured in the collapse study of docs/results.md.
 """
 
 from __future__ import annotations
@@ -41,6 +52,9 @@ SEQ_COLLAPSE_CHI2 = 1.0       # chi2_seq above this: raw sequence weights keep u
 MAX_REJECTED_SEQ_FRACTION = 0.2  # warn when the recommendation drops more samples than this
 MIN_ESS = 0.5                 # warn when the recommendation's IS weights keep less effective sample size
 MAX_VETO_SEQ_FRACTION = 0.05  # docs/metrics.md: more vetoed samples than this, investigate the engine
+SEQ_MIS_HIGH_FRACTION = 0.01  # Seq-MIS only when at least this fraction of samples is above the upper bound ...
+SEQ_MIS_WEIGHT_SHARE = 0.01   # ... or its rejections carry at least this share of Seq-TIS's weight mass
+VETO_WEIGHT_SHARE = 0.01      # a veto dropping > MAX_VETO_SEQ_FRACTION of samples: kept only above this weight share
 SHIFT_LOG_MEDIAN = 0.01       # |log median ratio| above this: every token shifted (temperature / top-p mismatch?)
 CONCENTRATION = 2.0           # a probability bucket holding this many times its token share of k3 is reported
 
@@ -52,6 +66,16 @@ GEOMETRIC_OPTIONS = ("geometric", "seq_mean_k1")
 
 def _pct(x: float) -> str:
     return f"{100 * x:.3g}%"
+
+
+def weight_share_removed(base: dict, other: dict) -> float:
+    """The share of ``base``'s IS weight mass (sum of bounded weights over its kept tokens) that ``other`` -- the
+    same IS weights with more rejection -- removes, from two rows of ``report["presets"]`` / ``["veto_variants"]``:
+    ``1 - mean_o * kept_o / (mean_b * kept_b)`` with ``mean`` = ``rollout_is_mean`` (over kept tokens) and ``kept``
+    = 1 - ``rejected_token_fraction``.  1.0 when ``base`` keeps no weight."""
+    def mass(row):
+        return row["metrics"]["rollout_is_mean"] * (1.0 - row["rejected_token_fraction"])
+    return 1.0 - mass(other) / mass(base) if mass(base) > 0 else 1.0
 
 
 def recommend(report: dict) -> dict:
@@ -68,9 +92,9 @@ def recommend(report: dict) -> dict:
     if report["catastrophic_tokens"]:
         # the veto removes catastrophic tokens; each weighs ~ -log r in k3, so judge the rest on its own
         k3, k3n = report["k3_kl_excluding_catastrophic"], "k3_kl_excluding_catastrophic"
-        reasons.append(f"severity judged without the {report['catastrophic_tokens']} catastrophic token(s) the veto "
-                       f"drops: k3_kl = {report['k3_kl']:.3g} with them, {k3:.3g} (k3_kl_excluding_catastrophic) "
-                       f"without")
+        reasons.append(f"severity judged without the {report['catastrophic_tokens']} catastrophic token(s) (a veto "
+                       f"drops them, a sequence weight makes them ~0; see below): k3_kl = {report['k3_kl']:.3g} with "
+                       f"them, {k3:.3g} (k3_kl_excluding_catastrophic) without")
 
     # 1. severity
     if k3 >= SEVERE_K3 or chi2_tok >= SEVERE_CHI2_TOKEN:
@@ -142,10 +166,24 @@ def recommend(report: dict) -> dict:
         reasons.append(f"Geo-RS (decoupled_geo_rs): sequence weights have collapsed ({why}), so a sequence IS factor "
                        f"would give most samples ~0 weight; pure geometric rejection (with veto) is length-invariant")
     elif not long:
-        name = "decoupled_seq_is_rs"
-        reasons.append("Seq-MIS (decoupled_seq_is_rs): under severe mismatch high-weight samples are likely "
-                       "garbage; sequence IS plus rejection of samples whose ratio leaves [0.5, 2] filters that "
-                       "toxic tail (§5.3)")
+        tis = report["presets"]["decoupled_seq_is"]
+        high = tis["metrics"]["rollout_is_seq_fraction_high"]
+        share = weight_share_removed(tis, report["presets"]["decoupled_seq_is_rs"])
+        tail = (f"rollout_is_seq_fraction_high = {high:.3g} of samples have a sequence ratio above the upper bound "
+                f"(SEQ_MIS_HIGH_FRACTION = {SEQ_MIS_HIGH_FRACTION:g}) and Seq-MIS's rejections carry {share:.3g} of "
+                f"Seq-TIS's weight mass (SEQ_MIS_WEIGHT_SHARE = {SEQ_MIS_WEIGHT_SHARE:g})")
+        if high < SEQ_MIS_HIGH_FRACTION and share < SEQ_MIS_WEIGHT_SHARE and (tis["ess"] or 0.0) >= MIN_ESS:
+            name = "decoupled_seq_is"
+            reasons.append(f"Seq-TIS (decoupled_seq_is), not Seq-MIS: §5.3 uses Seq-MIS \"when high-weight samples are "
+                           f"likely garbage\", and here {tail}: its rejections would be the low side, samples that "
+                           f"truncated sequence IS already weighs ~0 (ESS {tis['ess']:.3g}), while rejecting them "
+                           f"removes {_pct(report['presets']['decoupled_seq_is_rs']['rejected_seq_fraction'])} of the "
+                           f"samples from the batch (its loss denominator, GRPO's group baselines)")
+        else:
+            name = "decoupled_seq_is_rs"
+            reasons.append(f"Seq-MIS (decoupled_seq_is_rs): under severe mismatch high-weight samples are likely "
+                           f"garbage ({tail}); sequence IS plus rejection of samples whose ratio leaves [0.5, 2] "
+                           f"filters that toxic tail (§5.3)")
     else:
         name = "decoupled_geo_rs"
         reasons.append("Geo-RS (decoupled_geo_rs): severe mismatch on long samples: sequence weights are "
@@ -182,15 +220,25 @@ def recommend(report: dict) -> dict:
                            f"rollout_is_catastrophic_token_fraction = {cat_frac:.3g}) in {_pct(veto_frac)} of "
                            f"samples; {name} already vetoes at {row['veto']:g}")
         else:
-            row = report["veto_variants"][name]
-            flags += f" --rs-veto-threshold {CATASTROPHIC_RATIO:g}"
-            reasons.append(f"veto: {n_cat} catastrophic token(s) (ratio < {CATASTROPHIC_RATIO:g}; "
-                           f"rollout_is_catastrophic_token_fraction = {cat_frac:.3g}, rollout_is_min = "
-                           f"{report.get('rollout_is_min', 0.0):.3g}) in {_pct(veto_frac)} of samples: add "
-                           f"--rs-veto-threshold {CATASTROPHIC_RATIO:g} to drop those samples")
+            vetoed = report["veto_variants"][name]
+            share = weight_share_removed(row, vetoed) if row["is"].startswith("sequence") else None
+            found = (f"{n_cat} catastrophic token(s) (ratio < {CATASTROPHIC_RATIO:g}; "
+                     f"rollout_is_catastrophic_token_fraction = {cat_frac:.3g}, rollout_is_min = "
+                     f"{report.get('rollout_is_min', 0.0):.3g}) in {_pct(veto_frac)} of samples")
+            if share is not None and veto_frac > MAX_VETO_SEQ_FRACTION and share < VETO_WEIGHT_SHARE:
+                reasons.append(f"no veto: {found}, but under {name}'s sequence IS weights they carry {share:.3g} of "
+                               f"the weight mass (VETO_WEIGHT_SHARE = {VETO_WEIGHT_SHARE:g}): the sequence weight "
+                               f"already suppresses the catastrophic update the veto exists for, and vetoing would "
+                               f"drop {_pct(vetoed['rejected_seq_fraction'])} of the samples from the batch "
+                               f"(> MAX_VETO_SEQ_FRACTION = {_pct(MAX_VETO_SEQ_FRACTION)})")
+            else:
+                row = vetoed
+                flags += f" --rs-veto-threshold {CATASTROPHIC_RATIO:g}"
+                reasons.append(f"veto: {found}: add --rs-veto-threshold {CATASTROPHIC_RATIO:g} to drop those samples")
         if veto_frac > MAX_VETO_SEQ_FRACTION:
-            warnings.append(f"the veto drops {_pct(veto_frac)} of samples (> MAX_VETO_SEQ_FRACTION = "
-                            f"{_pct(MAX_VETO_SEQ_FRACTION)}): catastrophic tokens are common, investigate the engine")
+            warnings.append(f"{_pct(veto_frac)} of samples hold a catastrophic token (a veto would drop them: > "
+                            f"MAX_VETO_SEQ_FRACTION = {_pct(MAX_VETO_SEQ_FRACTION)}): catastrophic tokens are "
+                            f"common, investigate the engine")
     else:
         reasons.append(f"no veto needed: no token has ratio < CATASTROPHIC_RATIO = {CATASTROPHIC_RATIO:g} "
                        f"(rollout_is_min = {report.get('rollout_is_min', 0.0):.3g})")
