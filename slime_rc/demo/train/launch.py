@@ -112,8 +112,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         elif name == "rollout_engine":
             g.add_argument(flag, dest=name, choices=("torch", "sglang", "vllm"), default=default,
                            help="torch: the in-process pure-torch engine; sglang: an SGLang server (--sglang-url); "
-                                "vllm: vLLM in this process serving the Qwen2-architecture model (pip install "
-                                "'slime-rc[vllm]' on a CPU machine; docs/train.md)")
+                                "vllm: vLLM in the trainer's process serving the Qwen2-architecture model -- in "
+                                "global rank 0 of a multi-process job, which hands every rank its samples (pip "
+                                "install 'slime-rc[vllm]' on a CPU machine; docs/train.md)")
         else:
             kind = {"int": int, "float": float, "str": str}[str(types[name])]
             g.add_argument(flag, dest=name, type=kind, default=default, help=f"default {default}")
@@ -222,12 +223,6 @@ def check_layout(settings: TrainSettings, nproc: int, world: Optional[int] = Non
         if world % need:
             raise ValueError(f"torchrun's WORLD_SIZE {world} is not a multiple of tp*pp*cp = {need}; data parallel "
                              f"is WORLD_SIZE / (tp*pp*cp)")
-    if s.rollout_engine == "vllm" and world > 1:
-        # measured: vLLM built in rank 0 of a 2-process gloo job (CP=2, samples broadcast) hangs at its start; it
-        # takes the process's default group for its own
-        raise ValueError(f"--rollout-engine vllm with {what}: the vLLM rollout engine runs inside the one trainer "
-                         f"process (in a multi-process job it joins the trainer's process group and hangs); give "
-                         f"--nproc 1, or use --rollout-engine torch for parallel layouts")
     dp = world // need
     if s.micro_batches % dp:
         raise ValueError(f"--micro-batches {s.micro_batches}: {s.micro_batches} micro-batches do not split over "

@@ -5,7 +5,9 @@ Runs in every rank of an initialised process group (:func:`run_training`).  Per 
 
 1. weight sync: ``full_parameters(model)`` -> the rollout engine (``slime_rc.demo.rollout``; separate from the
    trainer, with its own precision / staleness / noise knobs).  Every rank runs the same deterministic rollout engine,
-   so every rank holds the same samples without a broadcast;
+   so every rank holds the same samples without a broadcast -- except vLLM (``--rollout-engine vllm``), which runs in
+   global rank 0 alone in a multi-process job: rank 0 syncs it and generates, and hands the samples to the other
+   ranks (:class:`RankZeroRollout`, one ``broadcast_object_list``), so every rank holds the same samples too;
 2. ``prompts_per_step`` prompts x ``group_size`` samples, rewards from the task (``slime_rc.demo.train.task``);
 3. packed micro-batches (``micro_batches`` of the global batch, contiguous blocks per DP rank): each sample is one
    sequence prompt + response; loss on the positions that predict response tokens, rollout log-probs there;
@@ -317,14 +319,20 @@ _FIELD_OF = {"--tensor-model-parallel-size": "tp", "--pipeline-model-parallel-si
 
 
 def make_rollout_engine(s: TrainSettings, cfg):
-    """The rollout engine: the in-process one with its mismatch knobs, or an SGLang server's ``/generate``."""
+    """The rollout engine: the in-process one with its mismatch knobs, an SGLang server's ``/generate`` or vLLM.
+    SGLang and vLLM sample at random: in a multi-process job they run in rank 0, which hands every rank the same
+    samples (:class:`RankZeroRollout`; one server request per step, not one per rank)."""
     if s.rollout_engine == "sglang":
         from slime_rc.demo.rollout.sglang_client import SGLangEngine
         if not s.sglang_url:
             raise ValueError("--rollout-engine sglang needs --sglang-url http://host:port")
-        return SGLangEngine(s.sglang_url, temperature=s.temperature, top_p=s.top_p,
-                            timeout=s.sglang_timeout)
+
+        def sglang():
+            return SGLangEngine(s.sglang_url, temperature=s.temperature, top_p=s.top_p, timeout=s.sglang_timeout)
+        return RankZeroRollout(sglang) if dist.is_initialized() and dist.get_world_size() > 1 else sglang()
     if s.rollout_engine == "vllm":
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            return RankZeroRollout(lambda: make_vllm_engine(s, cfg))
         return make_vllm_engine(s, cfg)
     if s.rollout_engine != "torch":
         raise ValueError(f"--rollout-engine {s.rollout_engine!r}: use torch (in-process), sglang or vllm")
@@ -353,6 +361,72 @@ def make_vllm_engine(s: TrainSettings, cfg):
     return VllmRolloutEngine(directory, lambda params: megatron_to_hf(params, cfg).items(), dtype=s.rollout_dtype,
                              stale_steps=s.stale_steps, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
                              max_model_len=cfg.max_seq_len)
+
+
+class RankZeroRollout:
+    """A rollout engine that runs in global rank 0 alone, for the other ranks too: vLLM in a multi-process job
+    (``slime_rc.demo.rollout.vllm_engine``: one in-process vLLM, not one per rank), and the SGLang client (one
+    ``/generate`` per step: each rank's own request would draw other samples for the same sequences).
+
+    ``build()`` makes the engine, in rank 0 only (the other ranks never import vLLM).  Each method is called by every
+    rank, in the same order, as the loop calls any engine: :meth:`load_weights` pushes the sync to rank 0's engine
+    (the other ranks only count it); :meth:`generate` samples in rank 0 and hands its samples -- prompts, responses,
+    rollout log-probs, finish reasons, weight versions -- to every rank with one ``broadcast_object_list`` on the
+    default group, so every rank trains on the same samples, those a 1-process run draws (the prompts come from the
+    same seeded generator in every rank, the engine's sampling seeds from its own).  Staleness is the engine's.  A
+    failure in rank 0 (building the engine, a weight sync, generating) is handed on too: rank 0 raises it, the other
+    ranks a ``RuntimeError`` quoting it, instead of waiting in a collective."""
+
+    SOURCE = 0
+
+    def __init__(self, build: Callable[[], object]):
+        self.rank = dist.get_rank()
+        self.engine = None
+        self._syncs = 0
+        self._sync_error: Optional[Exception] = None  # rank 0: a refused weight sync, handed on by generate
+        error = None
+        if self.rank == self.SOURCE:
+            try:
+                self.engine = build()
+            except Exception as e:  # a signal (KeyboardInterrupt, Interrupted) stops every rank anyway
+                error = e
+        self._hand_on("to start", None, error)
+
+    def _hand_on(self, what: str, result, error: Optional[BaseException]):
+        """Rank 0's ``result`` to every rank, or its ``error`` (what it ``failed``) as a ``RuntimeError``."""
+        box = [("error", f"failed {what}: {type(error).__name__}: {error}") if error is not None else ("ok", result)]
+        dist.broadcast_object_list(box, src=self.SOURCE)
+        if error is not None:
+            raise error
+        status, value = box[0]
+        if status == "error":
+            raise RuntimeError(f"the rollout engine (in rank {self.SOURCE}) {value}")
+        return value
+
+    def load_weights(self, full_params) -> int:
+        """Weight sync: rank 0's engine takes it (a refusal is handed on by the next :meth:`generate`); every rank
+        returns the sync's version (from 0)."""
+        if self.engine is not None and self._sync_error is None and hasattr(self.engine, "load_weights"):
+            try:
+                self.engine.load_weights(full_params)
+            except Exception as e:
+                self._sync_error = e
+        self._syncs += 1
+        return self._syncs - 1
+
+    def generate(self, prompts, max_new_tokens: int, stop_token: Optional[int] = None) -> List[dict]:
+        samples, error = None, self._sync_error
+        what = "to take the weights" if error is not None else "to generate"
+        if self.engine is not None and error is None:
+            try:
+                samples = self.engine.generate(prompts, max_new_tokens=max_new_tokens, stop_token=stop_token)
+            except Exception as e:
+                error = e
+        return self._hand_on(what, samples, error)
+
+    def close(self) -> None:
+        if self.engine is not None and hasattr(self.engine, "close"):
+            self.engine.close()
 
 
 def pack_micro_batches(samples: List[dict], advantages: torch.Tensor, n_micro: int) -> List[dict]:
