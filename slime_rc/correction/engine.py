@@ -101,7 +101,7 @@ def compute_rollout_correction(
     seqs = sequence_statistics(batch, tokens, config, reducer)                  # 2. per sequence (collective 1)
     decisions = sequence_decisions(seqs, config)                                # 3. sequence decisions
     kept = token_weights(batch, tokens, decisions)                              # 4. keep mask and weights
-    totals = batch_totals(batch, tokens, seqs, decisions, kept, config, reducer, malformed)  # (collective 2)
+    totals = batch_totals(batch, tokens, seqs, decisions, kept, config, reducer, malformed.double())  # (collective 2)
     # deferred checks on global counts (after collective 2): every rank of the batch group raises together
     own = checks is None
     checks = DeferredChecks(read=config.on_nonfinite == "error") if own else checks

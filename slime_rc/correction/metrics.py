@@ -18,6 +18,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from slime_rc.config.schema import RolloutCorrectionConfig
+from slime_rc.correction import packed
 from slime_rc.correction.packed import sum64, sum_sq64, upload
 from slime_rc.correction.quantiles import QUANTILES, histogram, quantiles_from_histogram
 from slime_rc.correction.records import (BatchTotals, CriterionTotals, Extremes, PackedBatch, RsExtremes,
@@ -137,16 +138,18 @@ def batch_totals(batch: PackedBatch, tokens: TokenStats, seqs: SequenceStats, de
         seqs.local.valid_tokens - seqs.local.token_rejected
     kept_tokens = (kept_per_seq * ~decisions.drop).sum() if batch.n_seqs else n_invalid * 0
     weight_totals, hist, (raw_max, raw_neg_min) = (None, None, (None, None))
+    valid_extremes, sums = _ValidExtremes(tokens), _TokenSums()
     if config.is_enabled:
-        weight_totals, hist, (raw_max, raw_neg_min) = _is_token_totals(tokens, seqs, decisions, kept, config, n_invalid)
-    rs_token_stats, rs_token_extremes = _rs_token_totals(tokens, local, config)
+        weight_totals, hist, (raw_max, raw_neg_min) = _is_token_totals(tokens, seqs, decisions, kept, config, n_invalid,
+                                                                       valid_extremes, sums)
+    rs_token_stats, rs_token_extremes = _rs_token_totals(tokens, local, config, valid_extremes, sums)
     token = TokenTotals(
         valid=local.valid_tokens, loss=local.valid_tokens + local.nonfinite_tokens, kept=kept_tokens,
-        log_ratio_sum=local.log_ratio, abs_log_ratio_sum=sum64(tokens.log_ratio.abs()),
-        clamped_log_ratio_sum=sum64(tokens.clamped_log_ratio),
+        log_ratio_sum=local.log_ratio, abs_log_ratio_sum=sums.sum(tokens.log_ratio.abs()),
+        clamped_log_ratio_sum=sums.sum(tokens.clamped_log_ratio),
         # sums of r and r^2 over valid tokens: invalid tokens hold r = 1 exactly, so their count comes off after
-        ratio_sum_all=sum64(tokens.ratio),
-        ratio_sq_sum_all=sum_sq64(tokens.ratio),
+        ratio_sum_all=sums.sum(tokens.ratio),
+        ratio_sq_sum_all=sums.sum_sq(tokens.ratio),
         invalid=n_invalid, nonfinite=local.nonfinite_tokens,
         veto=local.veto_tokens,
         rs_criteria=dict(local.rs_token_rejections),
@@ -163,7 +166,77 @@ def batch_totals(batch: PackedBatch, tokens: TokenStats, seqs: SequenceStats, de
         maxima = torch.full((len(columns),), -math.inf, dtype=torch.float64, device=batch.device).unbind()
     extremes = Extremes(token_raw_max=raw_max, token_raw_neg_min=raw_neg_min,
                         sequences=with_leaves(extreme_columns, maxima), rs_tokens=rs_token_extremes)
+    token = with_leaves(token, sums.resolve(leaves(token)))
     return _reduce(token, hist, terms, extremes, reducer, batch, config)
+
+
+class _Sum:
+    """A sum :class:`_TokenSums` computes later: of column ``index``, of its squares if ``square``."""
+
+    __slots__ = ("index", "square")
+
+    def __init__(self, index: int, square: bool):
+        self.index, self.square = index, square
+
+
+_STACK_TOKENS = 1 << 14
+
+
+class _TokenSums:
+    """Sums and sums of squares of ``[N]`` float32 token columns, in float64, computed together: :meth:`sum` /
+    :meth:`sum_sq` hand out placeholders, :meth:`resolve` replaces them by 0-d tensors.  Up to ``_STACK_TOKENS``
+    tokens (a micro-batch: kernel launches are the cost) the columns are stacked into one ``[k, N]`` float64 matrix
+    and summed in a handful of ops whatever k; past it each column is summed where it lies (:func:`sum64`,
+    :func:`sum_sq64`: no ``k x N`` copy, whose 8k bytes a token would make the peak memory per token grow at small
+    batches).  A column given twice is summed once."""
+
+    def __init__(self):
+        self.columns: List[torch.Tensor] = []
+        self.squared: List[bool] = []
+
+    def _add(self, column: torch.Tensor, square: bool) -> _Sum:
+        for i, c in enumerate(self.columns):
+            if c is column:
+                self.squared[i] |= square
+                return _Sum(i, square)
+        self.columns.append(column)
+        self.squared.append(square)
+        return _Sum(len(self.columns) - 1, square)
+
+    def sum(self, column: torch.Tensor) -> _Sum:
+        return self._add(column, False)
+
+    def sum_sq(self, column: torch.Tensor) -> _Sum:
+        return self._add(column, True)
+
+    def resolve(self, values: List) -> List:
+        """``values`` with every placeholder replaced by its 0-d float64 sum."""
+        if not self.columns:
+            return values
+        n = self.columns[0].numel()
+        if n <= min(packed.MATRIX_TOKENS, _STACK_TOKENS):
+            # the squared columns first, so that their squares are one slice of the matrix; stacked straight into
+            # float64 (no float32 stack and copy)
+            order = sorted(range(len(self.columns)), key=lambda i: not self.squared[i])
+            row = {i: r for r, i in enumerate(order)}
+            m = torch.empty(len(order), n, dtype=torch.float64, device=self.columns[0].device)
+            torch.stack([self.columns[i] for i in order], out=m)
+            n_sq = sum(self.squared)
+            plain, squares = m.sum(1).unbind(), (m[:n_sq] * m[:n_sq]).sum(1).unbind()  # (mul: faster than pow)
+            done = {(i, False): plain[row[i]] for i in order}
+            done.update({(i, True): squares[row[i]] for i in order[:n_sq]})
+        else:
+            done = {}
+        out = []
+        for v in values:
+            if isinstance(v, _Sum):
+                key = (v.index, v.square)
+                if key not in done:
+                    c = self.columns[v.index]
+                    done[key] = sum_sq64(c) if v.square else sum64(c)
+                v = done[key]
+            out.append(v)
+        return out
 
 
 def _sum_columns(columns: List[torch.Tensor], batch: PackedBatch) -> List[torch.Tensor]:
@@ -174,7 +247,8 @@ def _sum_columns(columns: List[torch.Tensor], batch: PackedBatch) -> List[torch.
 
 
 def _is_token_totals(tokens: TokenStats, seqs: SequenceStats, decisions: SequenceDecisions, kept: TokenWeights,
-                     config: RolloutCorrectionConfig, n_invalid: torch.Tensor):
+                     config: RolloutCorrectionConfig, n_invalid: torch.Tensor, valid_extremes: "_ValidExtremes",
+                     sums: _TokenSums):
     """IS on: the :class:`TokenWeightTotals`, the ``[num_bins]`` histogram of the raw log-ratio, and the token-level
     raw extremes ``(max, -min)`` of ``clamp(log r)`` over valid tokens (-inf when there are none; None at sequence
     level)."""
@@ -184,17 +258,14 @@ def _is_token_totals(tokens: TokenStats, seqs: SequenceStats, decisions: Sequenc
     if config.is_level == "token":
         lr, valid = tokens.log_ratio, tokens.valid
         # invalid tokens hold lr == 0: they can only count when a bound sits on the wrong side of 1
-        raw_above = sum64(outside_flag(lr, -math.inf, log_hi, valid))
-        raw_below = sum64(outside_flag(lr, log_lo, math.inf, valid))
+        raw_above = sums.sum(outside_flag(lr, -math.inf, log_hi, valid, tokens.comparisons))
+        raw_below = sums.sum(outside_flag(lr, log_lo, math.inf, valid, tokens.comparisons))
         hist = histogram(lr, bins, bound)
         hist[hist.numel() // 2] -= n_invalid  # ... and land in the centre bin: take them out there
-        # extremes of lr_c over valid tokens: invalid ones pushed to -1e30 (valid ones keep their exact value)
-        lr_c, off = tokens.clamped_log_ratio, torch.sub(valid, 1.0).mul_(_FAR)
-        if lr_c.numel():
-            top, neg_bottom = (lr_c + off).max(), (off - lr_c).max()
-            extremes = tuple(torch.where(e > -_FAR / 2, e.double(), -math.inf) for e in (top, neg_bottom))
-        else:  # no tokens on this rank (a shape, not a value: no read)
-            extremes = tuple(torch.full((2,), -math.inf, dtype=torch.float64, device=lr_c.device).unbind())
+        # extremes of clamp(lr) over valid tokens: those of lr, clamped (clamping is monotone, so it commutes with
+        # max); -inf (none) stays -inf.  One pass shared with a k1 token RS criterion's extremes of lr.
+        pair = torch.stack(valid_extremes.of(lr))
+        extremes = tuple(torch.where(pair > -math.inf, pair.clamp(-bound, bound), pair).unbind())
     else:
         # token-weighted sums of a per-sequence value use this rank's token counts: exact after the SUM
         local_n, raw = seqs.local.valid_tokens, decisions.raw_log_ratio
@@ -202,11 +273,32 @@ def _is_token_totals(tokens: TokenStats, seqs: SequenceStats, decisions: Sequenc
         raw_below = (local_n * (raw < log_lo)).sum()
         hist = histogram(raw.clamp(-bound, bound), bins, bound, weights=local_n)
         extremes = (None, None)
-    return TokenWeightTotals(sum64(w), sum_sq64(w), raw_above, raw_below), hist, extremes
+    return TokenWeightTotals(sums.sum(w), sums.sum_sq(w), raw_above, raw_below), hist, extremes
 
 
-# invalid tokens' offset in the token extremes: far below any clamped log-ratio (|lr_c| <= safety bound)
-_FAR = 1e30
+class _ValidExtremes:
+    """``(max, -min)`` of a ``[N]`` token statistic over this rank's valid tokens (0-d float64; -inf when there are
+    none), each statistic computed once per call (the IS raw extremes and a k1 token RS criterion's are both
+    those of ``log r``).  Exact: invalid tokens get -inf added (valid ones + 0), so no finite offset can collide with
+    an unclamped ``log r``."""
+
+    def __init__(self, tokens: TokenStats):
+        self.valid = tokens.valid
+        self._off: Optional[torch.Tensor] = None
+        self._done: List[Tuple[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]] = []
+
+    def of(self, stat: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        for seen, pair in self._done:
+            if seen is stat:
+                return pair
+        if stat.numel():
+            if self._off is None:  # 0 on valid tokens, -inf on the others
+                self._off = torch.where(self.valid > 0, 0.0, -math.inf).to(stat.dtype)
+            pair = tuple(torch.stack([(stat + self._off).max(), (self._off - stat).max()]).double().unbind())
+        else:  # no tokens on this rank (a shape, not a value: no read)
+            pair = tuple(torch.full((2,), -math.inf, dtype=torch.float64, device=stat.device).unbind())
+        self._done.append((stat, pair))
+        return pair
 
 
 def _band(c) -> Tuple[float, float]:
@@ -216,13 +308,14 @@ def _band(c) -> Tuple[float, float]:
     return (0.0 if lo == -math.inf else lo), hi
 
 
-def _rs_token_totals(tokens: TokenStats, local, config: RolloutCorrectionConfig):
+def _rs_token_totals(tokens: TokenStats, local, config: RolloutCorrectionConfig, valid_extremes: _ValidExtremes,
+                     sums: _TokenSums):
     """Token-level RS criteria: option -> :class:`RsTokenTotals` (this rank's sums over valid tokens) and option ->
     :class:`RsExtremes` (max of ``s_t`` and of ``-s_t`` over valid tokens, -inf when there are none).  ``local``:
     this rank's :class:`SequenceSums` summed over its sequences (its token sums of ``log r`` and of k2/k3)."""
     totals: Dict[str, RsTokenTotals] = {}
     extremes: Dict[str, RsExtremes] = {}
-    valid, off = tokens.valid, None
+    valid = tokens.valid
     for c in config.rs:
         if c.granularity != "token":
             continue
@@ -235,17 +328,10 @@ def _rs_token_totals(tokens: TokenStats, local, config: RolloutCorrectionConfig)
             band = band * valid
         totals[c.option] = RsTokenTotals(
             stat_sum=local.log_ratio if k1 else local.k_sums[c.option],
-            band_sum=sum64(band), band_sq_sum=sum_sq64(band),
-            above=sum64(outside_flag(stat, -math.inf, hi, valid)) if k1 else None)
-        if stat.numel():
-            # exact extremes of the valid tokens (k1's log r is unclamped: no finite offset is safely far below it)
-            if off is None:  # 0 on valid tokens, -inf on the others (shared by the criteria)
-                off = torch.where(valid > 0, 0.0, -math.inf).to(stat.dtype)
-            top, neg_bottom = (stat + off).max(), (off - stat).max()
-            extremes[c.option] = RsExtremes(top.double(), neg_bottom.double(), None)
-        else:  # no tokens on this rank (a shape, not a value: no read)
-            top, neg_bottom = torch.full((2,), -math.inf, dtype=torch.float64, device=stat.device).unbind()
-            extremes[c.option] = RsExtremes(top, neg_bottom, None)
+            band_sum=sums.sum(band), band_sq_sum=sums.sum_sq(band),
+            above=sums.sum(outside_flag(stat, -math.inf, hi, valid, tokens.comparisons)) if k1 else None)
+        top, neg_bottom = valid_extremes.of(stat)
+        extremes[c.option] = RsExtremes(top, neg_bottom, None)
     return totals, extremes
 
 
@@ -265,6 +351,12 @@ def _sequence_terms(seqs: SequenceStats, decisions: SequenceDecisions, config: R
     loss = has_tokens | decisions.nonfinite
     mean_train, mean_rollout = seqs.train_log_prob_mean, seqs.rollout_log_prob_mean
     log_ppl_diff = mean_rollout - mean_train  # = log(training_ppl_i / rollout_ppl_i)
+    # the eight perplexity terms as rows of one [8, B] matrix (a few ops for all of them), over valid sequences:
+    # -m_t, -m_r, d, |d|, then exp of -m_t, -m_r (overflow guard), d and 2 S (safety bound)
+    logs = torch.cat([torch.stack([mean_train, mean_rollout]).neg_(), log_ppl_diff[None]])
+    lo, hi, scale = _ppl_bounds(bound, logs.device)
+    exps = torch.cat([logs, sums.log_ratio[None]]).clamp_(lo, hi).mul_(scale).exp_()
+    ppl = torch.cat([logs, log_ppl_diff.abs()[None], exps]).mul_(has_tokens).unbind()
 
     weights = None
     w = raw = None
@@ -288,14 +380,14 @@ def _sequence_terms(seqs: SequenceStats, decisions: SequenceDecisions, config: R
         loss=loss,
         kept=decisions.kept,
         rejected=loss & ~decisions.kept,
-        train_log_ppl=-mean_train * has_tokens,
-        train_ppl=torch.exp((-mean_train).clamp(max=_PPL_EXP_MAX)) * has_tokens,
-        rollout_log_ppl=-mean_rollout * has_tokens,
-        rollout_ppl=torch.exp((-mean_rollout).clamp(max=_PPL_EXP_MAX)) * has_tokens,
-        log_ppl_diff=log_ppl_diff * has_tokens,
-        log_ppl_abs_diff=log_ppl_diff.abs() * has_tokens,
-        ppl_ratio=torch.exp(log_ppl_diff.clamp(-bound, bound)) * has_tokens,
-        seq_ratio_sq=torch.exp(2 * sums.log_ratio.clamp(-bound, bound)) * has_tokens,
+        train_log_ppl=ppl[0],
+        train_ppl=ppl[4],
+        rollout_log_ppl=ppl[1],
+        rollout_ppl=ppl[5],
+        log_ppl_diff=ppl[2],
+        log_ppl_abs_diff=ppl[3],
+        ppl_ratio=ppl[6],
+        seq_ratio_sq=ppl[7],
         weights=weights,
         rs_stats=rs_stats,
     )
@@ -306,6 +398,21 @@ def _sequence_terms(seqs: SequenceStats, decisions: SequenceDecisions, config: R
         weight_max=w, weight_neg_min=None if w is None else -w, weight_max_dev=None if w is None else (w - 1).abs(),
         rs_stats=rs_extremes)
     return terms, extreme_columns
+
+
+_PPL_BOUNDS: Dict[tuple, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _ppl_bounds(bound: float, device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[4, 1]`` float64 clamp bounds and scales of the exponentiated perplexity terms (-m_t, -m_r: at most
+    ``_PPL_EXP_MAX``; d and S: +-``bound``; S is doubled after the clamp), uploaded once per bound and device."""
+    key = (bound, str(device))
+    if key not in _PPL_BOUNDS:
+        if len(_PPL_BOUNDS) >= 64:
+            _PPL_BOUNDS.clear()
+        _PPL_BOUNDS[key] = tuple(upload(v, torch.float64, device).view(4, 1) for v in (
+            [-math.inf, -math.inf, -bound, -bound], [_PPL_EXP_MAX, _PPL_EXP_MAX, bound, bound], [1.0, 1.0, 1.0, 2.0]))
+    return _PPL_BOUNDS[key]
 
 
 def _rs_sequence_terms(seqs: SequenceStats, decisions: SequenceDecisions, config: RolloutCorrectionConfig):
@@ -337,7 +444,9 @@ def _pack(values: List[torch.Tensor], device) -> torch.Tensor:
     position by position, so the order is the same on every rank)."""
     if not values:
         return torch.zeros(0, dtype=torch.float64, device=device)
-    return torch.stack(values).to(torch.float64)  # stack promotes (bool, int64, float32 -> the widest) in one op
+    # stack promotes (bool, int64, float32 -> the widest), but converts each value on its own: the engine hands in
+    # float64 values only (then one kernel copies them all)
+    return torch.stack(values).to(torch.float64)
 
 
 def _positions(record, start: int = 0):
@@ -535,12 +644,13 @@ def finish_metrics(t: BatchTotals, config: RolloutCorrectionConfig,
     some = den > 0
     quotients = torch.where(some, num / torch.where(some, den, 1.0) + plan.offset, 0.0)
     ext = t.maxes[plan.ext_index] * plan.ext_sign
-    parts = [quotients, torch.where(ext.isfinite(), ext, 0.0)]
+    parts = [quotients, torch.nan_to_num(ext, nan=0.0, posinf=0.0, neginf=0.0)]  # extremes of empty sets: 0
     flat = torch.cat(parts) if plan.is_enabled or plan.rs_moments is not None else None
     if plan.is_enabled:
         mean, mean_sq = flat[plan.pairs]  # [2]: token level, sequence level
         parts.append((mean_sq - mean * mean).clamp(min=0.0).sqrt())
-        parts.append(torch.where(mean_sq[:1] > 0, mean[:1] * mean[:1] / mean_sq[:1].clamp(min=1e-300), 0.0))
+        # ESS; no weight mass (E[w^2] = 0) means E[w] = 0 too (w >= 0): 0 / tiny = 0
+        parts.append(mean[:1] * mean[:1] / mean_sq[:1].clamp(min=1e-300))
         bound = config.safety_bound
         log_q = quantiles_from_histogram(t.histogram, config.quantile_bins_per_octave, bound)
         logs = torch.cat([flat[plan.log_extremes].clamp(-bound, bound), log_q])

@@ -52,7 +52,7 @@ _BLOCK = 64
 def segment_sums(columns: List[torch.Tensor], cu_seqlens: torch.Tensor, counts=()) -> torch.Tensor:
     """Per-sequence sums of several ``[N]`` columns at once: ``k x [N] -> [k, B]`` float64.
 
-    Up to ``_MATRIX_TOKENS`` tokens (a micro-batch: kernel launches are the cost), the columns are copied into one
+    Up to ``MATRIX_TOKENS`` tokens (a micro-batch: kernel launches are the cost), the columns are copied into one
     ``[k, N + 1]`` float64 matrix, prefix-summed along the tokens in one op and read at the boundaries: a handful
     of ops whatever k.  Past it (memory traffic is the cost), each column is reduced where it lies, without a
     ``k x N`` copy (fresh memory that size costs page faults on a CPU) and without a sequential scan of every
@@ -68,7 +68,7 @@ def segment_sums(columns: List[torch.Tensor], cu_seqlens: torch.Tensor, counts=(
     """
     n, dev = columns[0].numel(), columns[0].device
     unique, slot = _distinct(columns)
-    if n <= _MATRIX_TOKENS:
+    if n <= MATRIX_TOKENS:
         m = torch.empty(len(unique), n + 1, dtype=torch.float64, device=dev)
         m[:, :1].zero_()  # the rest is overwritten: zeroing it all would be one more pass over k x N
         for row, column in zip(m[:, 1:], unique):
@@ -99,7 +99,7 @@ def _distinct(columns: List[torch.Tensor]):
 
 # Up to this many tokens segment_sums prefix-sums a matrix copy of its columns (fewest ops); past it, block sums of
 # each column where it lies (least memory traffic).
-_MATRIX_TOKENS = 1 << 16
+MATRIX_TOKENS = 1 << 16
 # tokens per piece of a conversion to float64 (a multiple of the block)
 _CHUNK_TOKENS = 1 << 16
 
@@ -139,7 +139,7 @@ def _as_values(column: torch.Tensor) -> torch.Tensor:
 
 
 def _blocked_segment_sums(columns: List[torch.Tensor], cu_seqlens: torch.Tensor, counts) -> torch.Tensor:
-    """:func:`segment_sums` past ``_MATRIX_TOKENS``: ``k x [N] -> [k, B]`` float64 from block sums."""
+    """:func:`segment_sums` past ``MATRIX_TOKENS``: ``k x [N] -> [k, B]`` float64 from block sums."""
     n, dev = columns[0].numel(), columns[0].device
     n_blocks = n // _BLOCK + 1  # the last block holds the N % 64 tokens past the whole blocks (maybe none)
     block_of = torch.div(cu_seqlens, _BLOCK, rounding_mode="floor")  # [B+1], each < n_blocks

@@ -150,6 +150,8 @@ class TokenStats:
         sums or averages it and of each token k2/k3 criterion (its per-sequence mean is a metric); ``k_max_terms``:
         the same with -inf on invalid tokens for the criteria that take the max.
     ``counts``: the flag tensors above (``packed.segment_sums`` sums them as counts, exactly in float32).
+    ``comparisons``: the :class:`slime_rc.correction.weights.Comparisons` behind the flags, for the metrics' own
+    threshold tests (its flags are shared: never modified in place).
     """
 
     valid: torch.Tensor
@@ -168,6 +170,7 @@ class TokenStats:
     k_sum_terms: Dict[str, torch.Tensor]
     k_max_terms: Dict[str, torch.Tensor]
     counts: Tuple[torch.Tensor, ...] = ()
+    comparisons: Any = None
 
 
 # ---- stage 2 ---------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import torch
 from slime_rc.config.schema import RolloutCorrectionConfig
 from slime_rc.correction.packed import first_nonfinite
 from slime_rc.correction.records import PackedBatch, TokenStats
-from slime_rc.correction.weights import bounded_weight, outside_flag
+from slime_rc.correction.weights import Comparisons, bounded_weight, outside_flag
 
 
 def k_statistic(kind: str, clamped_log_ratio: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
@@ -49,9 +49,10 @@ def token_statistics(batch: PackedBatch, config: RolloutCorrectionConfig) -> Tok
     lr_c = lr.clamp(-bound, bound)
     ratio = torch.exp(lr_c)  # safety-bounded per-token ratio; exactly 1 on invalid tokens
 
+    comparisons = Comparisons()  # the metrics ask for some of the same tests (batch_totals)
     veto = None
     if config.veto_threshold is not None:  # unclamped ratio, before the safety bound
-        veto = outside_flag(lr, math.log(config.veto_threshold), math.inf, valid)
+        veto = outside_flag(lr, math.log(config.veto_threshold), math.inf, valid, comparisons)
 
     k_cache: Dict[str, torch.Tensor] = {}
 
@@ -66,10 +67,11 @@ def token_statistics(batch: PackedBatch, config: RolloutCorrectionConfig) -> Tok
     for c in config.rs:
         if c.granularity == "token":
             stat = lr if c.statistic == "k1" else k_of(c.statistic)
-            rs_flags.append((c.option, outside_flag(stat, *c.log_bounds, valid)))
+            rs_flags.append((c.option, outside_flag(stat, *c.log_bounds, valid, comparisons)))
     mask_flags = []
     if is_token and config.is_mode == "mask":
-        mask_flags.append(outside_flag(lr, math.log(config.is_lower), math.log(config.is_upper_bound), valid))
+        mask_flags.append(outside_flag(lr, math.log(config.is_lower), math.log(config.is_upper_bound), valid,
+                                       comparisons))
 
     rs_token = dict(rs_flags)
     is_mask = mask_flags[0] if mask_flags else None
@@ -100,7 +102,7 @@ def token_statistics(batch: PackedBatch, config: RolloutCorrectionConfig) -> Tok
         veto=veto, rs_token=rs_token, is_mask=is_mask, rs_rejected=rs_rejected, rejected=rejected, keep=keep,
         # computed here (not in stage 4) because collective 1 sums it per sequence for the sequence-weight metrics
         is_weight=bounded_weight(ratio, config) * valid if is_token else None,
-        k_sum_terms=k_sum_terms, k_max_terms=k_max_terms,
+        k_sum_terms=k_sum_terms, k_max_terms=k_max_terms, comparisons=comparisons,
         counts=tuple(f for f in flags if f is not None),
     )
 

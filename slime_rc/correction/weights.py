@@ -20,7 +20,7 @@ under ``is_batch_normalize``.
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -37,18 +37,43 @@ def outside(stat: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
     return (stat < lo) | (stat > hi)
 
 
-def outside_flag(stat: torch.Tensor, lo: float, hi: float, valid: torch.Tensor) -> torch.Tensor:
+class Comparisons:
+    """The threshold tests of one call's tokens, each computed once: ``stat < b`` / ``stat > b`` as ``[N]`` float32
+    0/1, shared by every rule and metric that asks for the same test (a token RS band and the IS bounds' fractions
+    often test ``log r`` against the same bounds).  The flags it hands out are shared: never modify them in place."""
+
+    def __init__(self):
+        self._done: List[Tuple[torch.Tensor, object, float, torch.Tensor]] = []
+
+    def test(self, compare, stat: torch.Tensor, bound: float) -> torch.Tensor:
+        for s, c, b, flag in self._done:
+            if s is stat and c is compare and b == bound:
+                return flag
+        flag = compare(stat, bound, out=torch.empty_like(stat))
+        self._done.append((stat, compare, bound, flag))
+        return flag
+
+
+def outside_flag(stat: torch.Tensor, lo: float, hi: float, valid: torch.Tensor,
+                 comparisons: Optional[Comparisons] = None) -> torch.Tensor:
     """:func:`outside` over ``[N]`` float32 tokens as float32 0/1, for valid tokens only (``valid``: float32 0/1;
     invalid tokens hold ``stat = 0``, so the product is needed only when 0 itself lies outside the bounds).
     Comparisons written into float32 and unions as sums (the two tests are disjoint): on CPU a comparison into
-    bool, a bool union or a bool->float conversion is several times slower than float arithmetic."""
+    bool, a bool union or a bool->float conversion is several times slower than float arithmetic.  With
+    ``comparisons`` each test is taken from (or added to) that cache, and the result may be one of its flags:
+    never modify it in place."""
     tests = [(torch.gt, hi)] if lo == -math.inf else [(torch.lt, lo)] if hi == math.inf else \
         [(torch.lt, lo), (torch.gt, hi)]
+    masked = lo > 0 or hi < 0
+    if comparisons is not None:
+        flags = [comparisons.test(compare, stat, b) for compare, b in tests]
+        flag = flags[0] if len(flags) == 1 else flags[0] + flags[1]
+        return flag * valid if masked else flag
     flag = None
     for compare, b in tests:
         f = compare(stat, b, out=torch.empty_like(stat))
         flag = f if flag is None else flag.add_(f)
-    return flag.mul_(valid) if (lo > 0 or hi < 0) else flag
+    return flag.mul_(valid) if masked else flag
 
 
 def bounded_weight(ratio: torch.Tensor, config: RolloutCorrectionConfig) -> torch.Tensor:

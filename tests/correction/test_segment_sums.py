@@ -19,7 +19,7 @@ LENGTHS = [[5, 3], [64], [64, 0, 64], [63, 1, 1, 65, 0], [1, 999], [0, 10, 0, 29
 @pytest.fixture(params=["matrix", "blocked"])
 def path(request, monkeypatch):
     if request.param == "blocked":
-        monkeypatch.setattr(packed, "_MATRIX_TOKENS", 0)
+        monkeypatch.setattr(packed, "MATRIX_TOKENS", 0)
         monkeypatch.setattr(packed, "_CHUNK_TOKENS", 128)  # several float64 conversion pieces even here
     return request.param
 
@@ -98,7 +98,7 @@ def test_engine_outputs_equal_on_both_paths(config, monkeypatch):
         train[7] = math.nan
     cu = cu_seqlens_from_lengths(lengths)
     matrix = compute_rollout_correction(train, rollout, mask, cu, config)
-    monkeypatch.setattr(packed, "_MATRIX_TOKENS", 0)
+    monkeypatch.setattr(packed, "MATRIX_TOKENS", 0)
     monkeypatch.setattr(packed, "_CHUNK_TOKENS", 640)  # block sums and token totals in several float64 pieces
     blocked = compute_rollout_correction(train, rollout, mask, cu, config)
     assert torch.equal(matrix.keep_mask, blocked.keep_mask)
