@@ -138,7 +138,7 @@ def batch_totals(batch: PackedBatch, tokens: TokenStats, seqs: SequenceStats, de
         seqs.local.valid_tokens - seqs.local.token_rejected
     kept_tokens = (kept_per_seq * ~decisions.drop).sum() if batch.n_seqs else n_invalid * 0
     weight_totals, hist, (raw_max, raw_neg_min) = (None, None, (None, None))
-    valid_extremes, sums = _ValidExtremes(tokens), _TokenSums()
+    valid_extremes, sums = _ValidExtremes(tokens), _TokenSums(batch.n_tokens)
     if config.is_enabled:
         weight_totals, hist, (raw_max, raw_neg_min) = _is_token_totals(tokens, seqs, decisions, kept, config, n_invalid,
                                                                        valid_extremes, sums)
@@ -183,18 +183,21 @@ _STACK_TOKENS = 1 << 14
 
 
 class _TokenSums:
-    """Sums and sums of squares of ``[N]`` float32 token columns, in float64, computed together: :meth:`sum` /
-    :meth:`sum_sq` hand out placeholders, :meth:`resolve` replaces them by 0-d tensors.  Up to ``_STACK_TOKENS``
-    tokens (a micro-batch: kernel launches are the cost) the columns are stacked into one ``[k, N]`` float64 matrix
-    and summed in a handful of ops whatever k; past it each column is summed where it lies (:func:`sum64`,
-    :func:`sum_sq64`: no ``k x N`` copy, whose 8k bytes a token would make the peak memory per token grow at small
-    batches).  A column given twice is summed once."""
+    """Sums and sums of squares of ``[N]`` float32 token columns, in float64.  Up to ``_STACK_TOKENS`` tokens (a
+    micro-batch: kernel launches are the cost) :meth:`sum` / :meth:`sum_sq` hand out placeholders and :meth:`resolve`
+    computes them together, from one ``[k, N]`` float64 stack of the columns: a handful of ops whatever k (a column
+    given twice is summed once).  Past it they return the sum at once, each column summed where it lies
+    (:func:`sum64`, :func:`sum_sq64`): no ``k x N`` copy, and no column kept alive until the others are done (either
+    would raise the peak memory per token)."""
 
-    def __init__(self):
+    def __init__(self, n_tokens: int):
+        self.stacked = n_tokens <= min(packed.MATRIX_TOKENS, _STACK_TOKENS)
         self.columns: List[torch.Tensor] = []
         self.squared: List[bool] = []
 
-    def _add(self, column: torch.Tensor, square: bool) -> _Sum:
+    def _add(self, column: torch.Tensor, square: bool):
+        if not self.stacked:
+            return sum_sq64(column) if square else sum64(column)
         for i, c in enumerate(self.columns):
             if c is column:
                 self.squared[i] |= square
@@ -213,30 +216,17 @@ class _TokenSums:
         """``values`` with every placeholder replaced by its 0-d float64 sum."""
         if not self.columns:
             return values
-        n = self.columns[0].numel()
-        if n <= min(packed.MATRIX_TOKENS, _STACK_TOKENS):
-            # the squared columns first, so that their squares are one slice of the matrix; stacked straight into
-            # float64 (no float32 stack and copy)
-            order = sorted(range(len(self.columns)), key=lambda i: not self.squared[i])
-            row = {i: r for r, i in enumerate(order)}
-            m = torch.empty(len(order), n, dtype=torch.float64, device=self.columns[0].device)
-            torch.stack([self.columns[i] for i in order], out=m)
-            n_sq = sum(self.squared)
-            plain, squares = m.sum(1).unbind(), (m[:n_sq] * m[:n_sq]).sum(1).unbind()  # (mul: faster than pow)
-            done = {(i, False): plain[row[i]] for i in order}
-            done.update({(i, True): squares[row[i]] for i in order[:n_sq]})
-        else:
-            done = {}
-        out = []
-        for v in values:
-            if isinstance(v, _Sum):
-                key = (v.index, v.square)
-                if key not in done:
-                    c = self.columns[v.index]
-                    done[key] = sum_sq64(c) if v.square else sum64(c)
-                v = done[key]
-            out.append(v)
-        return out
+        # the squared columns first, so that their squares are one slice of the matrix; stacked straight into
+        # float64 (no float32 stack and copy)
+        order = sorted(range(len(self.columns)), key=lambda i: not self.squared[i])
+        row = {i: r for r, i in enumerate(order)}
+        m = torch.empty(len(order), self.columns[0].numel(), dtype=torch.float64, device=self.columns[0].device)
+        torch.stack([self.columns[i] for i in order], out=m)
+        n_sq = sum(self.squared)
+        plain, squares = m.sum(1).unbind(), (m[:n_sq] * m[:n_sq]).sum(1).unbind()  # (mul: faster than pow)
+        done = {(i, False): plain[row[i]] for i in order}
+        done.update({(i, True): squares[row[i]] for i in order[:n_sq]})
+        return [done[(v.index, v.square)] if isinstance(v, _Sum) else v for v in values]
 
 
 def _sum_columns(columns: List[torch.Tensor], batch: PackedBatch) -> List[torch.Tensor]:
