@@ -5,7 +5,7 @@
 # mismatch.  Then the study's table and curves, and `slime-rc analyze` of a collapsed no-correction run's dump.
 #
 # Usage: bash examples/collapse_study.sh [OUT_DIR] [PARALLEL_JOBS] [SEEDS] ["CONFIG ..."]
-#   e.g. bash examples/collapse_study.sh runs/collapse 2 5            (55 runs; ~45 min on 2 CPU cores)
+#   e.g. bash examples/collapse_study.sh runs/collapse 2 5            (55 runs; ~25 min on 2 CPU cores)
 # Another engine and mismatch: ENGINE (flags added to every run) and MISMATCH (the mismatch's flags, in every row but
 # the reference, after the base's --rollout-dtype fp32), e.g. the real vLLM engine in bf16 against fp32 vLLM:
 #   ENGINE="--rollout-engine vllm" MISMATCH="--rollout-dtype bf16" bash examples/collapse_study.sh runs/collapse_vllm 2 5

@@ -41,6 +41,12 @@ def _grpo(rows: List[dict]) -> List[dict]:
     return [{**r, "step": i} for i, r in enumerate(grpo)]
 
 
+def _style(i: int) -> dict:
+    """Line style of the ``i``-th run or configuration: matplotlib's ten colours, then the same colours dashed, dotted,
+    dash-dotted (a study of more than ten configurations stays readable)."""
+    return {"color": f"C{i % 10}", "linestyle": ("-", "--", ":", "-.")[i // 10 % 4]}
+
+
 def plot_runs(run_dirs: List[str], output: str) -> Dict[str, List[dict]]:
     import matplotlib
     matplotlib.use("Agg")
@@ -48,13 +54,13 @@ def plot_runs(run_dirs: List[str], output: str) -> Dict[str, List[dict]]:
 
     runs = {d.rstrip("/"): _grpo(read_run(d)) for d in run_dirs}
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
-    color = {name: f"C{i % 10}" for i, name in enumerate(runs)}  # one colour per run in every panel
+    style = {name: _style(i) for i, name in enumerate(runs)}  # one style per run in every panel
     for ax, (key, title) in zip(axes.flat, PANELS):
         for name, rows in runs.items():
             xs = [r["step"] for r in rows if r.get(key) is not None]
             ys = [r[key] for r in rows if r.get(key) is not None]
             if xs:
-                ax.plot(xs, ys, label=os.path.relpath(name), linewidth=1.2, color=color[name])
+                ax.plot(xs, ys, label=os.path.relpath(name), linewidth=1.2, **style[name])
         ax.set_title(title)
         ax.set_xlabel("step")
         if key == "rollout_corr/k3_kl":
@@ -101,9 +107,9 @@ def plot_study(study_dir: str, output: str) -> Dict[str, Dict[str, List[dict]]]:
             steps, mean, low, high = seed_band(list(runs.values()), keyed)
             if not steps:
                 continue
-            ax.plot(steps, mean, color=f"C{i % 10}", linewidth=1.3, label=f"{config} ({len(runs)} seeds)")
+            ax.plot(steps, mean, linewidth=1.3, label=f"{config} ({len(runs)} seeds)", **_style(i))
             if key not in LOG_PANELS:  # on a log axis a band down to a 0 (a step without signal) hides the curves
-                ax.fill_between(steps, low, high, color=f"C{i % 10}", alpha=0.08, linewidth=0)
+                ax.fill_between(steps, low, high, color=_style(i)["color"], alpha=0.08, linewidth=0)
         ax.set_title(title)
         ax.set_xlabel("GRPO step")
         if key in LOG_PANELS:
