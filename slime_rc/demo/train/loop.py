@@ -5,9 +5,10 @@ Runs in every rank of an initialised process group (:func:`run_training`).  Per 
 
 1. weight sync: ``full_parameters(model)`` -> the rollout engine (``slime_rc.demo.rollout``; separate from the
    trainer, with its own precision / staleness / noise knobs).  Every rank runs the same deterministic rollout engine,
-   so every rank holds the same samples without a broadcast -- except vLLM (``--rollout-engine vllm``), which runs in
-   global rank 0 alone in a multi-process job: rank 0 syncs it and generates, and hands the samples to the other
-   ranks (:class:`RankZeroRollout`, one ``broadcast_object_list``), so every rank holds the same samples too;
+   so every rank holds the same samples without a broadcast -- except vLLM and SGLang (``--rollout-engine vllm`` /
+   ``sglang``), which run in global rank 0 alone in a multi-process job: rank 0 syncs (vLLM) and generates, and hands
+   the samples to the other ranks (:class:`RankZeroRollout`, one ``broadcast_object_list``), so every rank holds the
+   same samples too;
 2. ``prompts_per_step`` prompts x ``group_size`` samples, rewards from the task (``slime_rc.demo.train.task``);
 3. packed micro-batches (``micro_batches`` of the global batch, contiguous blocks per DP rank): each sample is one
    sequence prompt + response; loss on the positions that predict response tokens, rollout log-probs there;
