@@ -254,7 +254,7 @@ def _is_token_totals(tokens: TokenStats, seqs: SequenceStats, decisions: Sequenc
         hist[hist.numel() // 2] -= n_invalid  # ... and land in the centre bin: take them out there
         # extremes of clamp(lr) over valid tokens: those of lr, clamped (clamping is monotone, so it commutes with
         # max); -inf (none) stays -inf.  One pass shared with a k1 token RS criterion's extremes of lr.
-        pair = torch.stack(valid_extremes.of(lr))
+        pair = valid_extremes.of(lr)
         extremes = tuple(torch.where(pair > -math.inf, pair.clamp(-bound, bound), pair).unbind())
     else:
         # token-weighted sums of a per-sequence value use this rank's token counts: exact after the SUM
@@ -267,26 +267,26 @@ def _is_token_totals(tokens: TokenStats, seqs: SequenceStats, decisions: Sequenc
 
 
 class _ValidExtremes:
-    """``(max, -min)`` of a ``[N]`` token statistic over this rank's valid tokens (0-d float64; -inf when there are
-    none), each statistic computed once per call (the IS raw extremes and a k1 token RS criterion's are both
+    """``[max, -min]`` of a ``[N]`` token statistic over this rank's valid tokens (``[2]`` float64; -inf when there
+    are none), each statistic computed once per call (the IS raw extremes and a k1 token RS criterion's are both
     those of ``log r``).  Exact: invalid tokens get -inf added (valid ones + 0), so no finite offset can collide with
     an unclamped ``log r``."""
 
     def __init__(self, tokens: TokenStats):
         self.valid = tokens.valid
         self._off: Optional[torch.Tensor] = None
-        self._done: List[Tuple[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]] = []
+        self._done: List[Tuple[torch.Tensor, torch.Tensor]] = []
 
-    def of(self, stat: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def of(self, stat: torch.Tensor) -> torch.Tensor:
         for seen, pair in self._done:
             if seen is stat:
                 return pair
         if stat.numel():
             if self._off is None:  # 0 on valid tokens, -inf on the others
                 self._off = torch.where(self.valid > 0, 0.0, -math.inf).to(stat.dtype)
-            pair = tuple(torch.stack([(stat + self._off).max(), (self._off - stat).max()]).double().unbind())
+            pair = torch.stack([(stat + self._off).max(), (self._off - stat).max()]).double()
         else:  # no tokens on this rank (a shape, not a value: no read)
-            pair = tuple(torch.full((2,), -math.inf, dtype=torch.float64, device=stat.device).unbind())
+            pair = torch.full((2,), -math.inf, dtype=torch.float64, device=stat.device)
         self._done.append((stat, pair))
         return pair
 
@@ -320,7 +320,7 @@ def _rs_token_totals(tokens: TokenStats, local, config: RolloutCorrectionConfig,
             stat_sum=local.log_ratio if k1 else local.k_sums[c.option],
             band_sum=sums.sum(band), band_sq_sum=sums.sum_sq(band),
             above=sums.sum(outside_flag(stat, -math.inf, hi, valid, tokens.comparisons)) if k1 else None)
-        top, neg_bottom = valid_extremes.of(stat)
+        top, neg_bottom = valid_extremes.of(stat).unbind()
         extremes[c.option] = RsExtremes(top, neg_bottom, None)
     return totals, extremes
 

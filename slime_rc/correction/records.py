@@ -149,9 +149,9 @@ class TokenStats:
     ``k_sum_terms``: option -> ``[N]`` float32 per-token k2/k3 (0 on invalid tokens) of each sequence criterion that
         sums or averages it and of each token k2/k3 criterion (its per-sequence mean is a metric); ``k_max_terms``:
         the same with -inf on invalid tokens for the criteria that take the max.
-    ``counts``: the flag tensors above (``packed.segment_sums`` sums them as counts, exactly in float32).
     ``comparisons``: the :class:`slime_rc.correction.weights.Comparisons` behind the flags, for the metrics' own
     threshold tests (its flags are shared: never modified in place).
+    ``counts``: the flag tensors above (``packed.segment_sums`` sums them as counts, exactly in float32).
     """
 
     valid: torch.Tensor
@@ -169,8 +169,8 @@ class TokenStats:
     is_weight: Optional[torch.Tensor]
     k_sum_terms: Dict[str, torch.Tensor]
     k_max_terms: Dict[str, torch.Tensor]
+    comparisons: Any
     counts: Tuple[torch.Tensor, ...] = ()
-    comparisons: Any = None
 
 
 # ---- stage 2 ---------------------------------------------------------------------------------------------------

@@ -55,25 +55,17 @@ class Comparisons:
 
 
 def outside_flag(stat: torch.Tensor, lo: float, hi: float, valid: torch.Tensor,
-                 comparisons: Optional[Comparisons] = None) -> torch.Tensor:
+                 comparisons: Comparisons) -> torch.Tensor:
     """:func:`outside` over ``[N]`` float32 tokens as float32 0/1, for valid tokens only (``valid``: float32 0/1;
     invalid tokens hold ``stat = 0``, so the product is needed only when 0 itself lies outside the bounds).
     Comparisons written into float32 and unions as sums (the two tests are disjoint): on CPU a comparison into
-    bool, a bool union or a bool->float conversion is several times slower than float arithmetic.  With
-    ``comparisons`` each test is taken from (or added to) that cache, and the result may be one of its flags:
-    never modify it in place."""
+    bool, a bool union or a bool->float conversion is several times slower than float arithmetic.  Each test is
+    taken from (or added to) ``comparisons``, so the result may be one of its flags: never modify it in place."""
     tests = [(torch.gt, hi)] if lo == -math.inf else [(torch.lt, lo)] if hi == math.inf else \
         [(torch.lt, lo), (torch.gt, hi)]
-    masked = lo > 0 or hi < 0
-    if comparisons is not None:
-        flags = [comparisons.test(compare, stat, b) for compare, b in tests]
-        flag = flags[0] if len(flags) == 1 else flags[0] + flags[1]
-        return flag * valid if masked else flag
-    flag = None
-    for compare, b in tests:
-        f = compare(stat, b, out=torch.empty_like(stat))
-        flag = f if flag is None else flag.add_(f)
-    return flag.mul_(valid) if masked else flag
+    flags = [comparisons.test(compare, stat, b) for compare, b in tests]
+    flag = flags[0] if len(flags) == 1 else flags[0] + flags[1]
+    return flag * valid if (lo > 0 or hi < 0) else flag
 
 
 def bounded_weight(ratio: torch.Tensor, config: RolloutCorrectionConfig) -> torch.Tensor:

@@ -323,18 +323,18 @@ def make_rollout_engine(s: TrainSettings, cfg):
     """The rollout engine: the in-process one with its mismatch knobs, an SGLang server's ``/generate`` or vLLM.
     SGLang and vLLM sample at random: in a multi-process job they run in rank 0, which hands every rank the same
     samples (:class:`RankZeroRollout`; one server request per step, not one per rank)."""
-    if s.rollout_engine == "sglang":
-        from slime_rc.demo.rollout.sglang_client import SGLangEngine
-        if not s.sglang_url:
-            raise ValueError("--rollout-engine sglang needs --sglang-url http://host:port")
+    if s.rollout_engine in ("sglang", "vllm"):
+        if s.rollout_engine == "sglang":
+            from slime_rc.demo.rollout.sglang_client import SGLangEngine
+            if not s.sglang_url:
+                raise ValueError("--rollout-engine sglang needs --sglang-url http://host:port")
 
-        def sglang():
-            return SGLangEngine(s.sglang_url, temperature=s.temperature, top_p=s.top_p, timeout=s.sglang_timeout)
-        return RankZeroRollout(sglang) if dist.is_initialized() and dist.get_world_size() > 1 else sglang()
-    if s.rollout_engine == "vllm":
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            return RankZeroRollout(lambda: make_vllm_engine(s, cfg))
-        return make_vllm_engine(s, cfg)
+            def build():
+                return SGLangEngine(s.sglang_url, temperature=s.temperature, top_p=s.top_p, timeout=s.sglang_timeout)
+        else:
+            def build():
+                return make_vllm_engine(s, cfg)
+        return RankZeroRollout(build) if dist.is_initialized() and dist.get_world_size() > 1 else build()
     if s.rollout_engine != "torch":
         raise ValueError(f"--rollout-engine {s.rollout_engine!r}: use torch (in-process), sglang or vllm")
     from slime_rc.demo.rollout.in_process import RolloutEngine
