@@ -8,8 +8,10 @@ Contenders, timed interleaved (one call of each per round, median over rounds, s
 them alike; ratios are taken within one run):
 
 * ``ours``: :func:`slime_rc.compute_rollout_correction` on the packed batch (native API);
-* ``plugin``: ``custom_tis.mis.compute_mis_weights``, slime's TIS-function contract (per-sample lists in and out,
-  slime's ``mis.yaml`` keys on ``args``);
+* ``plugin``: ``custom_tis.mis.compute_mis_weights_with_cp``, the function slime's loss calls through
+  ``--custom-tis-function-path`` (slime's contract: per-sample log-prob lists, full-length ``torch.int`` loss masks,
+  ``pg_loss`` in; the weighted ``pg_loss``, full-length masks and per-token metrics out; slime's ``mis.yaml`` keys on
+  ``args``; no context parallelism);
 * ``loop ref``: a per-sequence Python loop over samples, the way slime's example
   ``examples/train_infer_mismatch_helper/mis.py`` computes correction, giving the outputs of
   :func:`slime_rc.testing.reference.reference_correction` (weights, keep masks and every metric; checked against it
@@ -557,13 +559,19 @@ def contenders(lengths: List[int]):
     """``({name: call}, inputs, lists)`` for one batch of ``lengths``: ours, the plugin, the loop reference and the
     floor (module docstring) on the same data; ``inputs``: the packed ``(train, rollout, mask)``; ``lists``: the
     per-sample lists the plugin and the loop take."""
-    from custom_tis.mis import compute_mis_weights
+    from custom_tis.mis import compute_mis_weights_with_cp
 
     train, rollout, mask, cu = make_batch(lengths)
     lists = [list(t.split(lengths)) for t in (train, rollout, mask)]
+    int_masks = [m.int() for m in lists[2]]  # slime's loss masks are torch.int
+    pg_loss = torch.zeros_like(train)  # the per-token loss the plugin weights
+
+    def plugin():
+        return compute_mis_weights_with_cp(SLIME_ARGS, pg_loss=pg_loss, train_log_probs=lists[0],
+                                           rollout_log_probs=lists[1], loss_masks=int_masks, total_lengths=lengths,
+                                           response_lengths=lengths)
     return {"ours": lambda: rc.compute_rollout_correction(train, rollout, mask, cu, CONFIG),
-            "plugin": lambda: compute_mis_weights(SLIME_ARGS, train_log_probs=lists[0], rollout_log_probs=lists[1],
-                                                  loss_masks=lists[2]),
+            "plugin": plugin,
             "ref": lambda: loop_reference(*lists, CONFIG),
             "floor": lambda: (train - rollout).sum()}, (train, rollout, mask), lists
 

@@ -145,12 +145,13 @@ class Batch:
             self.train = torch.zeros(0, device=device)
             self.rollout = torch.zeros(0, device=device)
             self.full_mask = mask = torch.zeros(0, device=device)
+        self.mask = (mask != 0).float()
         own = checks is None
         checks = DeferredChecks() if own else checks
-        checks.add(((mask != 0) & (mask != 1)).sum(), "loss_masks must hold only 0 and 1")
+        # a value other than 0 and 1 (NaN included) differs from its own "!= 0" as 0/1: one comparison
+        checks.add((self.mask != mask).sum(), "loss_masks must hold only 0 and 1")
         if own:
             checks.raise_if_any()
-        self.mask = (mask != 0).float()
 
     @property
     def sample_of_token(self) -> torch.Tensor:

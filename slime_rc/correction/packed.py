@@ -185,18 +185,20 @@ def segment_max(values: torch.Tensor, sequence_of_tokens: torch.Tensor, n_seqs: 
     return out.scatter_reduce_(0, sequence_of_tokens.long(), values, "amax").double()
 
 
-def token_sequence_ids(cu_seqlens: torch.Tensor, n_tokens: int) -> torch.Tensor:
-    """``[B+1]`` boundaries -> ``[N]`` int32 sequence index of each token (no host read: the total is given).
+def token_sequence_ids(cu_seqlens: torch.Tensor, n_tokens: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """``[B+1]`` boundaries -> ``[N]`` int32 sequence index of each token (no host read: the total is given);
+    ``dtype=torch.int64`` for a caller that also scatters by it (``scatter_reduce_`` takes int64 only: built so
+    directly, rather than converted after, it is one ``[N]`` buffer, not two).
 
     ``ids[t] = #{i >= 1 : cu_seqlens[i] <= t}``: a 1 added at each sequence end, then one prefix sum (an empty
     sequence repeats a boundary, whose 1s add up).  ``cu_seqlens`` must be well formed (non-decreasing, within
     ``[0, N]``).  Not ``repeat_interleave``: several times slower on a CPU.  int32 (B < 2**31): half the fresh memory
     of int64 (on a CPU, page faults are most of the cost) and a faster prefix sum; ``index_select`` takes it as is.
     """
-    ids = torch.zeros(n_tokens + 1, dtype=torch.int32, device=cu_seqlens.device)
+    ids = torch.zeros(n_tokens + 1, dtype=dtype, device=cu_seqlens.device)
     ends = cu_seqlens[1:]
-    ids.index_add_(0, ends, torch.ones((), dtype=torch.int32, device=ids.device).expand(ends.numel()))
-    return torch.cumsum(ids, 0, dtype=torch.int32, out=ids)[:n_tokens]  # in place: no second [N] buffer
+    ids.index_add_(0, ends, torch.ones((), dtype=dtype, device=ids.device).expand(ends.numel()))
+    return torch.cumsum(ids, 0, dtype=dtype, out=ids)[:n_tokens]  # in place: no second [N] buffer
 
 
 def broadcast_to_tokens(per_sequence: torch.Tensor, cu_seqlens: torch.Tensor, n_tokens: int) -> torch.Tensor:

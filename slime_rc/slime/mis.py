@@ -128,49 +128,55 @@ def _slime_mis(settings: SlimeMisSettings, train: torch.Tensor, rollout: torch.T
     reducer.agree("custom_tis.mis (slime semantics)", settings, cu_seqlens.numel() - 1)
     dev = train.device
     n_tokens, n_seqs = train.numel(), cu_seqlens.numel() - 1
-    # token -> its sequence, once; each broadcast below is then a gather
-    seq_of_token = token_sequence_ids(cu_seqlens, n_tokens)
+    token_is = s.use_tis and s.tis_level == "token"
+    # token -> its sequence, once; each broadcast below is then a gather (int64 where the token-level weight
+    # extremes scatter by it: built so, not converted after)
+    seq_of_token = token_sequence_ids(cu_seqlens, n_tokens, torch.int64 if token_is else torch.int32)
     per_tok = (lambda v: v.index_select(0, seq_of_token))
     # per-sequence metrics ([B] values that slime reports on every token) are broadcast together at the end
     metrics: Dict[str, Any] = {}
 
+    # Fresh [N] buffers are few and ops in place where they can be: on a CPU each fresh buffer costs page faults
+    # (more than its arithmetic), and on any device each is one more pass over memory.
     train, rollout = train.detach().float(), rollout.detach().float()
-    m_bool = mask != 0
-    m = m_bool.float()
+    m = torch.ne(mask, 0, out=torch.empty(n_tokens, dtype=torch.float32, device=dev))  # [N] float32 0/1
     lr = train - rollout
-    finite = torch.isfinite(lr)
-    bad = m_bool & ~finite
-    # values off the loss mask never reach a sum; NaN * 0 would.  In place, as below: on a CPU every fresh [N]
-    # buffer costs page faults, more than the arithmetic
-    lr = torch.nan_to_num_(lr, 0.0, 0.0, 0.0)  # = where(finite, lr, 0.0)
-    rho = lr.clamp(-SAFETY_BOUND, SAFETY_BOUND).exp_()
+    # loss tokens whose log r is not finite (|x| < inf is False for NaN and +-inf), as float32 0/1
+    bad = torch.abs(lr).lt_(math.inf).mul_(m).neg_().add_(m)  # m - m * finite
+    # log r, 0 off the loss mask and where it is not finite: every use below is masked anyway (so it changes no
+    # output), and a masked sum or metric needs no product of its own
+    lr = torch.nan_to_num_(lr, 0.0, 0.0, 0.0).mul_(m)
+    rho = lr.clamp(-SAFETY_BOUND, SAFETY_BOUND).exp_()  # 1 off the mask
 
     # ---- per-sequence pieces, combined over the CP group in one collective --------------------------------------
     sums = {
         "n": m,
-        "lr": lr * m,
-        "train": torch.where(m_bool & torch.isfinite(train), train, 0.0),
-        "rollout": torch.where(m_bool & torch.isfinite(rollout), rollout, 0.0),
+        "lr": lr,
+        # sum log pi_train follows as "lr" + "rollout" (log r = log pi_train - log pi_rollout): one column less
+        "rollout": torch.nan_to_num(rollout, 0.0, 0.0, 0.0).mul_(m),  # = where(m & isfinite(rollout), rollout, 0)
         "rho2": (rho * rho).mul_(m),
-        "bad": bad.float(),
+        "bad": bad,
     }
+    counts = [m, bad]  # 0/1 columns: summed exactly in float32 blocks (segment_sums)
     if s.veto is not None:
-        catastrophic = m_bool & (lr < math.log(s.veto))
-        sums["veto"] = catastrophic.float()
-    token_is = s.use_tis and s.tis_level == "token"
+        catastrophic = torch.lt(lr, math.log(s.veto), out=torch.empty_like(lr)).mul_(m)  # unclamped log r
+        sums["veto"] = catastrophic
+        counts.append(catastrophic)
     maxes = {}
     if token_is:
-        w0_tok = rho
-        w_tok = {"truncate": lambda: w0_tok.clamp(0, s.tis_upper), "clip": lambda: w0_tok.clamp(s.tis_lower,
-                 s.tis_upper), "mask": lambda: w0_tok}[s.tis_mode]() * m
+        if s.tis_mode == "mask":
+            w_tok = rho * m
+        else:
+            w_tok = rho.clamp(0 if s.tis_mode == "truncate" else s.tis_lower, s.tis_upper).mul_(m)
         sums["w"] = w_tok
-        maxes["w_max"] = torch.where(m_bool, w_tok, -math.inf)
-        maxes["w_neg_min"] = torch.where(m_bool, w_tok, math.inf).neg_()  # = where(m, -w, -inf): negation is exact
+        # a bounded weight is > 0 on every loss token (exp of a log r clamped to +-20 is), and 0 off the mask: the
+        # maximum over all of a sequence's tokens is the one over its loss tokens (a sequence without any reports 0)
+        maxes["w_max"] = w_tok
+        maxes["w_neg_min"] = torch.where(m > 0, w_tok, math.inf).neg_()  # = where(m, -w, -inf): negation is exact
     zeros = torch.zeros(n_seqs, 0, dtype=torch.float64, device=dev)
-    local_sums = segment_sums(list(sums.values()), cu_seqlens).T  # [B, k]
-    if maxes:  # scatter_reduce_ takes int64 indices: converted once for both columns
-        seq_of_token64 = seq_of_token.long()
-        local_maxes = torch.stack([segment_max(v, seq_of_token64, n_seqs) for v in maxes.values()], 1)
+    local_sums = segment_sums(list(sums.values()), cu_seqlens, counts).T  # [B, k]
+    if maxes:
+        local_maxes = torch.stack([segment_max(v, seq_of_token, n_seqs) for v in maxes.values()], 1)
     else:
         local_maxes = zeros
     g_sums, g_maxes = reducer.combine_sequences(local_sums, local_maxes)
@@ -186,15 +192,15 @@ def _slime_mis(settings: SlimeMisSettings, train: torch.Tensor, rollout: torch.T
     S = col["lr"]
 
     # ---- slime's add_ppl_metrics: per-sequence values broadcast, per-token values as they are -------------------
-    mean_train = col["train"] / n_safe
+    mean_train = (S + col["rollout"]) / n_safe
     mean_rollout = col["rollout"] / n_safe
     diff = mean_rollout - mean_train
     metrics["training_log_ppl"] = _PerSequence((-mean_train).float())
     metrics["training_ppl"] = _PerSequence(torch.exp((-mean_train).clamp(max=_PPL_EXP_MAX)).float())
     metrics["rollout_log_ppl"] = _PerSequence((-mean_rollout).float())
     metrics["rollout_ppl"] = _PerSequence(torch.exp((-mean_rollout).clamp(max=_PPL_EXP_MAX)).float())
-    metrics["kl"] = _Masked(torch.neg(lr).mul_(m))
-    metrics["k3_kl"] = _Masked((rho - lr).sub_(1).mul_(m))
+    metrics["kl"] = _Masked(torch.neg(lr))  # lr is 0 off the mask
+    metrics["k3_kl"] = _Masked((rho - lr).sub_(1))  # off the mask: 1 - 0 - 1 = 0 exactly
     metrics["log_ppl_diff"] = _PerSequence(diff.float())
     metrics["log_ppl_abs_diff"] = _PerSequence(diff.abs().float())
     metrics["ppl_ratio"] = _PerSequence(torch.exp(diff.clamp(-SAFETY_BOUND, SAFETY_BOUND)).float())
@@ -222,10 +228,10 @@ def _slime_mis(settings: SlimeMisSettings, train: torch.Tensor, rollout: torch.T
             metrics["tis_truncate_fraction"] = _flag(torch.gt, w0, s.tis_upper, m)
         else:
             kind = "clip" if s.tis_mode == "clip" else "mask"
-            metrics[f"tis_{kind}_fraction_low"] = _flag(torch.lt, w0, s.tis_lower, m)
-            metrics[f"tis_{kind}_fraction_high"] = _flag(torch.gt, w0, s.tis_upper, m)
+            low = metrics[f"tis_{kind}_fraction_low"] = _flag(torch.lt, w0, s.tis_lower, m)
+            high = metrics[f"tis_{kind}_fraction_high"] = _flag(torch.gt, w0, s.tis_upper, m)
             if s.tis_mode == "mask":
-                keep = keep * ((w0 >= s.tis_lower) & (w0 <= s.tis_upper)).float()
+                keep = _outside_removed(keep, low, high)
                 if not token_is:
                     seq_keep &= (w0_seq >= s.tis_lower) & (w0_seq <= s.tis_upper)
         metrics["tis_weight_after_bound"] = w_after = _Masked(w)  # w is 0 off the mask already (w = ... * m)
@@ -236,20 +242,21 @@ def _slime_mis(settings: SlimeMisSettings, train: torch.Tensor, rollout: torch.T
     if s.use_rs:
         tok_lr, seq_lr = _level_log_ratio(s.rs_level, lr, S, n_safe)
         if tok_lr is not None:
-            rs_w = torch.exp(tok_lr.clamp(-SAFETY_BOUND, SAFETY_BOUND))
+            rs_w = rho  # exp(clamp(log r)): the token IS ratio, computed once
         else:
             rs_w_seq = torch.exp(seq_lr.clamp(-SAFETY_BOUND, SAFETY_BOUND))
             seq_keep &= (rs_w_seq >= s.rs_lower) & (rs_w_seq <= s.rs_upper)
             rs_w = per_tok(rs_w_seq.float())
-        metrics["rs_mask_fraction_low"] = _flag(torch.lt, rs_w, s.rs_lower, m)
-        metrics["rs_mask_fraction_high"] = _flag(torch.gt, rs_w, s.rs_upper, m)
-        keep = keep * ((rs_w >= s.rs_lower) & (rs_w <= s.rs_upper)).float()
+        low = metrics["rs_mask_fraction_low"] = _flag(torch.lt, rs_w, s.rs_lower, m)
+        high = metrics["rs_mask_fraction_high"] = _flag(torch.gt, rs_w, s.rs_upper, m)
+        keep = _outside_removed(keep, low, high)
     if s.veto is not None:
         vetoed = col["veto"] > 0
         seq_keep &= ~vetoed
         metrics["rs_catastrophic_token_fraction"] = _Masked(sums["veto"])  # catastrophic.float(): 0 off the mask
         metrics["rs_catastrophic_seq_fraction"] = _PerSequence(vetoed.float())
-        keep = keep * per_tok((~vetoed).float())
+        kept_seq = per_tok((~vetoed).float())
+        keep = keep * kept_seq if keep is m else keep.mul_(kept_seq)  # m is also the "n" column: not in place
     metrics["is_ratio_mean_after_tis_rs"] = w_after if s.use_tis else w  # the same values: one masked copy
 
     # ---- batch normalization over the call's sequences (original mask, rejected tokens included) ---------------
@@ -300,6 +307,13 @@ class _Masked:
         self.value = value
 
 
+def _outside_removed(keep: torch.Tensor, low: _Masked, high: _Masked) -> torch.Tensor:
+    """``keep * [lower <= x <= upper]`` from the two flags of ``x`` outside the band (``[N]`` float32 0/1, masked):
+    the band is not empty (the settings check it), so the flags are disjoint and their difference is the product,
+    without a fresh buffer per comparison; the clamp keeps a token flagged twice (an empty band) at 0, not -1."""
+    return (keep - low.value).sub_(high.value).clamp_(min=0.0)
+
+
 def _flag(compare, values: torch.Tensor, bound: float, m: torch.Tensor) -> _Masked:
     """``compare(values, bound).float() * m`` (``[N]`` float32 0/1) in one fresh buffer: the comparison written
     straight into float32 and masked in place (a bool result, its float copy and the product would be three)."""
@@ -312,14 +326,16 @@ def _masked(metrics: Dict[str, Any], m: torch.Tensor, seq_of_token: torch.Tensor
     to their tokens in one gather of a ``[k, B + 1]`` matrix whose last column is 0, masked tokens pointing at it;
     the per-token ones are finite by construction (built from the zeroed and clamped log-ratio), so a product with
     the 0/1 mask zeroes them (``torch.where`` over ``[k, N]`` costs several times more on a CPU); a :class:`_Masked`
-    one is 0 off the mask already and is returned as it is (no fresh copy; two names given the same one share it)."""
+    one is 0 off the mask already and is returned as it is (no fresh copy; two names given the same one share it).
+    ``seq_of_token`` is overwritten (the gather's index, made in place): the caller's last use of it."""
     names = [k for k, v in metrics.items() if isinstance(v, _PerSequence)]
     out = {}
     if names:
         n_seqs = metrics[names[0]].value.numel()
         table = torch.stack([metrics[k].value for k in names])
         table = torch.cat([table, table.new_zeros(len(names), 1)], 1)  # [k, B + 1]: column B holds the zeros
-        at = torch.where(m != 0, seq_of_token, n_seqs)  # masked tokens read column B
+        # masked tokens read column B; in place: the token -> sequence index has no later use
+        at = seq_of_token.masked_fill_(m == 0, n_seqs)
         out = dict(zip(names, table.index_select(1, at).detach().unbind()))
     for k, v in metrics.items():
         if k not in out:
