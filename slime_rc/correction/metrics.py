@@ -145,7 +145,7 @@ def batch_totals(batch: PackedBatch, tokens: TokenStats, seqs: SequenceStats, de
     rs_token_stats, rs_token_extremes = _rs_token_totals(tokens, local, config, valid_extremes, sums)
     token = TokenTotals(
         valid=local.valid_tokens, loss=local.valid_tokens + local.nonfinite_tokens, kept=kept_tokens,
-        log_ratio_sum=local.log_ratio, abs_log_ratio_sum=sums.sum(tokens.log_ratio.abs()),
+        log_ratio_sum=local.log_ratio, abs_log_ratio_sum=sums.sum(tokens.log_ratio, torch.abs),
         clamped_log_ratio_sum=sums.sum(tokens.clamped_log_ratio),
         # sums of r and r^2 over valid tokens: invalid tokens hold r = 1 exactly, so their count comes off after
         ratio_sum_all=sums.sum(tokens.ratio),
@@ -180,6 +180,7 @@ class _Sum:
 
 
 _STACK_TOKENS = 1 << 14
+_EXACT_FLOAT32_COUNT = 1 << 24  # float32 holds every integer up to 2**24
 
 
 class _TokenSums:
@@ -194,10 +195,17 @@ class _TokenSums:
         self.stacked = n_tokens <= min(packed.MATRIX_TOKENS, _STACK_TOKENS)
         self.columns: List[torch.Tensor] = []
         self.squared: List[bool] = []
+        self._transformed: List[Tuple[torch.Tensor, object, torch.Tensor]] = []
 
-    def _add(self, column: torch.Tensor, square: bool):
-        if not self.stacked:
-            return sum_sq64(column) if square else sum64(column)
+    def _add(self, column: torch.Tensor, square: bool, transform):
+        if not self.stacked:  # the transform goes piece by piece: no [N] buffer for it
+            return sum_sq64(column, transform) if square else sum64(column, transform)
+        if transform is not None:  # the stack needs it whole: made once for its sum and its sum of squares
+            seen = next((t for c, f, t in self._transformed if c is column and f is transform), None)
+            if seen is None:
+                seen = transform(column)
+                self._transformed.append((column, transform, seen))
+            column = seen
         for i, c in enumerate(self.columns):
             if c is column:
                 self.squared[i] |= square
@@ -206,11 +214,19 @@ class _TokenSums:
         self.squared.append(square)
         return _Sum(len(self.columns) - 1, square)
 
-    def sum(self, column: torch.Tensor) -> _Sum:
-        return self._add(column, False)
+    def sum(self, column: torch.Tensor, transform=None) -> _Sum:
+        """The float64 sum of ``column`` (of ``transform(column)``: an elementwise float32 map such as ``abs``)."""
+        return self._add(column, False, transform)
 
-    def sum_sq(self, column: torch.Tensor) -> _Sum:
-        return self._add(column, True)
+    def sum_sq(self, column: torch.Tensor, transform=None) -> _Sum:
+        return self._add(column, True, transform)
+
+    def count(self, flags: torch.Tensor) -> _Sum:
+        """The sum of ``[N]`` float32 0/1 ``flags``: past the stack, summed in float32 (every partial sum is an integer
+        below 2**24, so exact) and converted once -- no float64 copy of the column."""
+        if not self.stacked and flags.numel() < _EXACT_FLOAT32_COUNT:
+            return flags.sum().double()
+        return self._add(flags, False, None)
 
     def resolve(self, values: List) -> List:
         """``values`` with every placeholder replaced by its 0-d float64 sum."""
@@ -248,8 +264,8 @@ def _is_token_totals(tokens: TokenStats, seqs: SequenceStats, decisions: Sequenc
     if config.is_level == "token":
         lr, valid = tokens.log_ratio, tokens.valid
         # invalid tokens hold lr == 0: they can only count when a bound sits on the wrong side of 1
-        raw_above = sums.sum(outside_flag(lr, -math.inf, log_hi, valid, tokens.comparisons))
-        raw_below = sums.sum(outside_flag(lr, log_lo, math.inf, valid, tokens.comparisons))
+        raw_above = sums.count(outside_flag(lr, -math.inf, log_hi, valid, tokens.comparisons))
+        raw_below = sums.count(outside_flag(lr, log_lo, math.inf, valid, tokens.comparisons))
         hist = histogram(lr, bins, bound)
         hist[hist.numel() // 2] -= n_invalid  # ... and land in the centre bin: take them out there
         # extremes of clamp(lr) over valid tokens: those of lr, clamped (clamping is monotone, so it commutes with
@@ -269,12 +285,12 @@ def _is_token_totals(tokens: TokenStats, seqs: SequenceStats, decisions: Sequenc
 class _ValidExtremes:
     """``[max, -min]`` of a ``[N]`` token statistic over this rank's valid tokens (``[2]`` float64; -inf when there
     are none), each statistic computed once per call (the IS raw extremes and a k1 token RS criterion's are both
-    those of ``log r``).  Exact: invalid tokens get -inf added (valid ones + 0), so no finite offset can collide with
-    an unclamped ``log r``."""
+    those of ``log r``).  Exact: invalid tokens are replaced by -inf (then +inf), so no finite stand-in can collide
+    with an unclamped ``log r``."""
 
     def __init__(self, tokens: TokenStats):
         self.valid = tokens.valid
-        self._off: Optional[torch.Tensor] = None
+        self._is_valid: Optional[torch.Tensor] = None
         self._done: List[Tuple[torch.Tensor, torch.Tensor]] = []
 
     def of(self, stat: torch.Tensor) -> torch.Tensor:
@@ -282,13 +298,28 @@ class _ValidExtremes:
             if seen is stat:
                 return pair
         if stat.numel():
-            if self._off is None:  # 0 on valid tokens, -inf on the others
-                self._off = torch.where(self.valid > 0, 0.0, -math.inf).to(stat.dtype)
-            pair = torch.stack([(stat + self._off).max(), (self._off - stat).max()]).double()
+            if self._is_valid is None:
+                self._is_valid = self.valid > 0
+            # one [N] buffer for both: stat where valid, -inf (then +inf) elsewhere
+            masked = torch.where(self._is_valid, stat, -math.inf)
+            top = masked.max()
+            bottom = torch.where(self._is_valid, stat, stat.new_full((), math.inf), out=masked).min()
+            pair = torch.stack([top, bottom.neg()]).double()
         else:  # no tokens on this rank (a shape, not a value: no read)
             pair = torch.full((2,), -math.inf, dtype=torch.float64, device=stat.device)
         self._done.append((stat, pair))
         return pair
+
+
+class _Clamp:
+    """``x.clamp(lo, hi)`` as a transform for :class:`_TokenSums`, one object per band and call (so that the sum and
+    the sum of squares of a band share one transformed column)."""
+
+    def __init__(self, lo: float, hi: float):
+        self.lo, self.hi = lo, hi
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x.clamp(self.lo, self.hi)
 
 
 def _band(c) -> Tuple[float, float]:
@@ -313,13 +344,14 @@ def _rs_token_totals(tokens: TokenStats, local, config: RolloutCorrectionConfig,
         # the statistic the criterion tests (0 on invalid tokens): log r unclamped for k1, k2/k3 otherwise
         stat = tokens.log_ratio if k1 else tokens.k_sum_terms[c.option]
         lo, hi = _band(c)
-        band = stat.clamp(lo, hi)
         if lo > 0 or hi < 0:  # 0 (an invalid token) lies outside the band: clamping moved it, put it back
-            band = band * valid
+            column, band = stat.clamp(lo, hi).mul_(valid), None
+        else:  # clamped piece by piece as it is summed (the same function for both sums: clamped once in a stack)
+            column, band = stat, _Clamp(lo, hi)
         totals[c.option] = RsTokenTotals(
             stat_sum=local.log_ratio if k1 else local.k_sums[c.option],
-            band_sum=sums.sum(band), band_sq_sum=sums.sum_sq(band),
-            above=sums.sum(outside_flag(stat, -math.inf, hi, valid, tokens.comparisons)) if k1 else None)
+            band_sum=sums.sum(column, band), band_sq_sum=sums.sum_sq(column, band),
+            above=sums.count(outside_flag(stat, -math.inf, hi, valid, tokens.comparisons)) if k1 else None)
         top, neg_bottom = valid_extremes.of(stat).unbind()
         extremes[c.option] = RsExtremes(top, neg_bottom, None)
     return totals, extremes

@@ -114,23 +114,30 @@ def _pieces(x: torch.Tensor):
     return x.split(_CHUNK_TOKENS)
 
 
-def sum64(x: torch.Tensor) -> torch.Tensor:
-    """Sum of ``[N]`` float32 values (or 0/1 flags: exact), accumulated in float64 (0-d), converted in pieces
-    (:func:`_pieces`)."""
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def sum64(x: torch.Tensor, transform=None) -> torch.Tensor:
+    """Sum of ``transform(x)`` for ``[N]`` float32 values (or 0/1 flags: exact), accumulated in float64 (0-d),
+    converted in pieces (:func:`_pieces`).  ``transform`` (elementwise, float32 -> float32, such as ``abs`` or a
+    clamp; None: none) is applied piece by piece: the sum of ``|log r|`` needs no ``[N]`` buffer of its own."""
+    transform = transform or _identity
     pieces = _pieces(x)
     if len(pieces) == 1:  # one piece: fewest ops
-        return x.double().sum()
-    return torch.stack([piece.double().sum() for piece in pieces]).sum()
+        return transform(x).double().sum()
+    return torch.stack([transform(piece).double().sum() for piece in pieces]).sum()
 
 
-def sum_sq64(x: torch.Tensor) -> torch.Tensor:
-    """Sum of squares of ``[N]`` float32 values, squared and accumulated in float64 (0-d; a float32 square would
-    round, a float64 one is exact), in pieces as :func:`sum64`."""
+def sum_sq64(x: torch.Tensor, transform=None) -> torch.Tensor:
+    """Sum of squares of ``transform(x)`` (``[N]`` float32 values), squared and accumulated in float64 (0-d; a
+    float32 square would round, a float64 one is exact), in pieces as :func:`sum64`."""
+    transform = transform or _identity
     pieces = _pieces(x)
     if len(pieces) == 1:
-        d = x.double()
+        d = transform(x).double()
         return torch.dot(d, d)
-    return torch.stack([torch.dot(d, d) for d in (piece.double() for piece in pieces)]).sum()
+    return torch.stack([torch.dot(d, d) for d in (transform(piece).double() for piece in pieces)]).sum()
 
 
 def _as_values(column: torch.Tensor) -> torch.Tensor:
@@ -270,7 +277,7 @@ def check_packed_inputs(train_log_probs, rollout_log_probs, loss_mask, cu_seqlen
         mask = (loss_mask != 0).view(torch.uint8).float()  # bool -> float through uint8: a vectorized copy
     if loss_mask.is_floating_point():
         # m^2 - m is 0 exactly for 0 and 1, NaN/inf for NaN/inf, non-zero otherwise: its squared sum finds them
-        d = mask * mask - mask
+        d = (mask * mask).sub_(mask)
         bad = bad | (torch.dot(d, d) != 0)
     # bf16/fp16 inputs are computed in fp32: exp() of a bf16 log-ratio is too coarse for weights near 1.
     train = train_log_probs.detach().float()

@@ -42,7 +42,7 @@ def token_statistics(batch: PackedBatch, config: RolloutCorrectionConfig) -> Tok
 
     lr = train - rollout
     # valid = loss token with a finite log r (NaN or inf on either side makes it non-finite); as float32 0/1
-    valid = torch.lt(lr.abs(), math.inf, out=torch.empty_like(lr)).mul_(mask)
+    valid = lr.abs().lt_(math.inf).mul_(mask)  # in place: one [N] buffer
     # zeros keep every sum below finite and exact: non-finite values go to 0 first, then masked tokens
     lr = torch.nan_to_num_(lr, 0.0, 0.0, 0.0).mul_(valid)
     rollout_v = torch.nan_to_num(rollout, 0.0, 0.0, 0.0).mul_(valid)
@@ -96,12 +96,16 @@ def token_statistics(batch: PackedBatch, config: RolloutCorrectionConfig) -> Tok
 
     nonfinite = mask - valid
     flags = [valid, nonfinite, veto, is_mask, rs_rejected, rejected, keep, *rs_token.values()]
+    is_weight = None
+    if is_token:  # invalid tokens hold r = 1: their weight is 0 (mask mode's weight is r itself: not in place)
+        bounded = bounded_weight(ratio, config)
+        is_weight = bounded * valid if bounded is ratio else bounded.mul_(valid)
     return TokenStats(
         valid=valid, log_ratio=lr, clamped_log_ratio=lr_c, ratio=ratio, rollout_log_probs=rollout_v,
         nonfinite=nonfinite,
         veto=veto, rs_token=rs_token, is_mask=is_mask, rs_rejected=rs_rejected, rejected=rejected, keep=keep,
         # computed here (not in stage 4) because collective 1 sums it per sequence for the sequence-weight metrics
-        is_weight=bounded_weight(ratio, config) * valid if is_token else None,
+        is_weight=is_weight,
         k_sum_terms=k_sum_terms, k_max_terms=k_max_terms, comparisons=comparisons,
         counts=tuple(f for f in flags if f is not None),
     )

@@ -159,4 +159,5 @@ def batch_normalize(kept: TokenWeights, totals: BatchTotals,
     mean_w = denom_w / denom_n.clamp(min=1.0)  # counts: 0 kept means a zero numerator too
     # nothing kept (or weights all zero): leave weights as they are rather than divide by zero
     norm = torch.where(mean_w > 0, mean_w, 1.0)
-    return kept.weights / norm, norm
+    # in place: the batch totals (the last readers of the weights before normalization) are done
+    return kept.weights.div_(norm), norm
