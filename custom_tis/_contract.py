@@ -145,7 +145,8 @@ class Batch:
             self.train = torch.zeros(0, device=device)
             self.rollout = torch.zeros(0, device=device)
             self.full_mask = mask = torch.zeros(0, device=device)
-        self.mask = (mask != 0).float()
+        # the comparison written straight into float32: one op and one [N] buffer (a bool result and its copy: two)
+        self.mask = torch.ne(mask, 0, out=torch.empty(mask.shape, dtype=torch.float32, device=mask.device))
         own = checks is None
         checks = DeferredChecks() if own else checks
         # a value other than 0 and 1 (NaN included) differs from its own "!= 0" as 0/1: one comparison
