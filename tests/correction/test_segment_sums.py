@@ -119,6 +119,8 @@ def test_token_sequence_ids_equal_repeat_interleave(lengths):
     ids = packed.token_sequence_ids(cu, n)
     assert ids.shape == (n,) and ids.dtype == torch.int32
     assert torch.equal(ids.long(), want)
+    ids64 = packed.token_sequence_ids(cu, n, torch.int64)  # for a caller that scatters by them
+    assert ids64.dtype == torch.int64 and torch.equal(ids64, want)
     values = torch.randn(len(lengths))
     assert torch.equal(packed.broadcast_to_tokens(values, cu, n), values[want])
 
@@ -142,3 +144,29 @@ def test_segment_max_equals_float64_max():
     want = torch.tensor([p.double().max().item() if p.numel() else -math.inf for p in values.split(lengths)],
                         dtype=torch.float64)
     assert got.dtype == torch.float64 and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("n", [100, 640, 1000])
+def test_token_sums_transform_piece_by_piece(monkeypatch, n):
+    """``sum64`` / ``sum_sq64`` with a transform (|x|, a clamp) applied piece by piece as they convert: the float64
+    sums of the transformed column, however many pieces (here 1, 5 and 8 of 128 tokens)."""
+    monkeypatch.setattr(packed, "_CHUNK_TOKENS", 128)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 3
+    band = lambda v: v.clamp(-0.5, 2.0)  # noqa: E731
+    for transform, made in ((torch.abs, x.abs()), (band, band(x))):
+        want = made.double()
+        torch.testing.assert_close(packed.sum64(x, transform), want.sum(), rtol=1e-14, atol=1e-14)
+        torch.testing.assert_close(packed.sum_sq64(x, transform), want.dot(want), rtol=1e-14, atol=1e-14)
+        assert not torch.equal(packed.sum64(x, transform), packed.sum64(x))  # the transform did something
+
+
+def test_token_counts_past_the_stack_are_exact():
+    """Past the stacked micro-batch sums, 0/1 flags are counted in float32 (every partial sum an integer below
+    2**24): the exact count, as float64."""
+    from slime_rc.correction.metrics import _TokenSums
+
+    flags = (torch.rand(300_000, generator=torch.Generator().manual_seed(1)) < 0.37).float()
+    sums = _TokenSums(flags.numel())
+    assert not sums.stacked
+    got = sums.count(flags)
+    assert got.dtype == torch.float64 and float(got) == int(flags.bool().sum())
