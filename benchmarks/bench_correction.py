@@ -46,11 +46,11 @@ exceeds its trim threshold, and the next touch of it faults (~1-2 us a 4 KiB pag
 rounds a contender that frees tens of MB (the plugin's outputs, ours' buffers) makes the NEXT contender fault, so a
 call's time depends on which call came before it: measured at 560k tokens (2026-11-26), ours 16 ms (1.4k faults) right
 after the others and 25 ms (6.5k faults) on its own second call; the plugin 32 ms (8.6k faults) after the others and
-19 ms (none) on its second call.  Each
-run therefore prints the table twice: with glibc's defaults, then in a subprocess whose glibc keeps freed memory
-(``MALLOC_TRIM_THRESHOLD_`` 64 GiB, ``MALLOC_MMAP_THRESHOLD_`` 32 MiB, its largest value: no block of the table's
-batches is mmapped), as a GPU's caching allocator does -- the arithmetic and memory traffic alone, the same for
-every contender (the loop's per-sample tensors rarely fault either way).  Goals are printed for both.
+19 ms (none) on its second call.  Each run therefore prints the table twice: with glibc's defaults, then in a
+subprocess whose glibc keeps freed memory (``MALLOC_TRIM_THRESHOLD_`` 64 GiB, ``MALLOC_MMAP_THRESHOLD_`` 32 MiB, its
+largest value: no block of the table's batches is mmapped), as a GPU's caching allocator does -- the arithmetic and
+memory traffic alone, the same for every contender (the loop's per-sample tensors rarely fault either way).  Goals
+are printed for both.
 
 Goals are printed with met / not met: ours >= 10x the loop reference on the 16-sample micro-batch and >= 5x on the
 560k-token batch; the plugin >= 3x the loop reference on every case; ours <= 50 one-pass floors on the 560k-token batch;
