@@ -267,7 +267,8 @@ class SequenceDecisions:
 @dataclass
 class TokenWeights:
     """Stage 4: ``keep`` ``[N]`` float32 0/1 (token kept in the loss) and ``weights`` ``[N]`` float32 IS weight of
-    each kept token (0 elsewhere) before batch normalization; None when IS is off."""
+    each kept token (0 elsewhere) before batch normalization (``weights.batch_normalize`` then divides this buffer in
+    place); None when IS is off."""
 
     keep: torch.Tensor
     weights: Optional[torch.Tensor]

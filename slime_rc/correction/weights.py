@@ -149,7 +149,8 @@ def token_weights(batch: PackedBatch, tokens: TokenStats, decisions: SequenceDec
 # ---- 5. batch normalization ------------------------------------------------------------------------------------
 def batch_normalize(kept: TokenWeights, totals: BatchTotals,
                     config: RolloutCorrectionConfig) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """``(weights / norm, norm)`` with ``norm`` (0-d float64) the global mean kept weight (mean over kept tokens at
+    """``(weights / norm, norm)`` (``kept.weights`` divided in place: the call's own buffer, read last by the batch
+    totals) with ``norm`` (0-d float64) the global mean kept weight (mean over kept tokens at
     token level, over kept sequences at sequence/geometric level); ``(weights, None)`` when batch normalization is
     off."""
     if not (config.is_enabled and config.is_batch_normalize):
