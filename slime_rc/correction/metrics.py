@@ -19,7 +19,7 @@ import torch
 
 from slime_rc.config.schema import RolloutCorrectionConfig
 from slime_rc.correction import packed
-from slime_rc.correction.packed import sum64, sum_sq64, upload
+from slime_rc.correction.packed import upload
 from slime_rc.correction.quantiles import QUANTILES, histogram, quantiles_from_histogram
 from slime_rc.correction.records import (BatchTotals, CriterionTotals, Extremes, PackedBatch, RsExtremes,
                                          RsSequenceTotals, RsTokenTotals, SequenceDecisions, SequenceExtremes,
@@ -184,33 +184,25 @@ _EXACT_FLOAT32_COUNT = 1 << 24  # float32 holds every integer up to 2**24
 
 
 class _TokenSums:
-    """Sums and sums of squares of ``[N]`` float32 token columns, in float64.  Up to ``_STACK_TOKENS`` tokens (a
-    micro-batch: kernel launches are the cost) :meth:`sum` / :meth:`sum_sq` hand out placeholders and :meth:`resolve`
-    computes them together, from one ``[k, N]`` float64 stack of the columns: a handful of ops whatever k (a column
-    given twice is summed once).  Past it they return the sum at once, each column summed where it lies
-    (:func:`sum64`, :func:`sum_sq64`): no ``k x N`` copy, and no column kept alive until the others are done (either
-    would raise the peak memory per token)."""
+    """Sums and sums of squares of ``[N]`` float32 token columns (or of an elementwise ``transform`` of one), in
+    float64.  :meth:`sum` / :meth:`sum_sq` hand out placeholders and :meth:`resolve` computes them (a column asked for
+    twice is summed once).  Up to ``_STACK_TOKENS`` tokens (a micro-batch: kernel launches are the cost) from one
+    ``[k, N]`` float64 stack of the columns: a handful of ops whatever k.  Past it each column where it lies
+    (:func:`packed.moments64`): converted to float64 once, in pieces, for both its sum and its sum of squares, the
+    transform applied piece by piece -- no ``k x N`` copy and no transformed ``[N]`` buffer (either would raise the
+    peak memory per token; the columns themselves live until the call ends anyway)."""
 
     def __init__(self, n_tokens: int):
         self.stacked = n_tokens <= min(packed.MATRIX_TOKENS, _STACK_TOKENS)
-        self.columns: List[torch.Tensor] = []
+        self.columns: List[Tuple[torch.Tensor, object]] = []  # (column, transform or None), distinct
         self.squared: List[bool] = []
-        self._transformed: List[Tuple[torch.Tensor, object, torch.Tensor]] = []
 
     def _add(self, column: torch.Tensor, square: bool, transform):
-        if not self.stacked:  # the transform goes piece by piece: no [N] buffer for it
-            return sum_sq64(column, transform) if square else sum64(column, transform)
-        if transform is not None:  # the stack needs it whole: made once for its sum and its sum of squares
-            seen = next((t for c, f, t in self._transformed if c is column and f is transform), None)
-            if seen is None:
-                seen = transform(column)
-                self._transformed.append((column, transform, seen))
-            column = seen
-        for i, c in enumerate(self.columns):
-            if c is column:
+        for i, (c, f) in enumerate(self.columns):
+            if c is column and f is transform:
                 self.squared[i] |= square
                 return _Sum(i, square)
-        self.columns.append(column)
+        self.columns.append((column, transform))
         self.squared.append(square)
         return _Sum(len(self.columns) - 1, square)
 
@@ -221,9 +213,9 @@ class _TokenSums:
     def sum_sq(self, column: torch.Tensor, transform=None) -> _Sum:
         return self._add(column, True, transform)
 
-    def count(self, flags: torch.Tensor) -> _Sum:
-        """The sum of ``[N]`` float32 0/1 ``flags``: past the stack, summed in float32 (every partial sum is an integer
-        below 2**24, so exact) and converted once -- no float64 copy of the column."""
+    def count(self, flags: torch.Tensor):
+        """The sum of ``[N]`` float32 0/1 ``flags``: past the stack, summed at once in float32 (every partial sum is
+        an integer below 2**24, so exact) and converted -- no float64 copy of the column."""
         if not self.stacked and flags.numel() < _EXACT_FLOAT32_COUNT:
             return flags.sum().double()
         return self._add(flags, False, None)
@@ -232,12 +224,17 @@ class _TokenSums:
         """``values`` with every placeholder replaced by its 0-d float64 sum."""
         if not self.columns:
             return values
+        if not self.stacked:
+            moments = [packed.moments64(c, f, sq) for (c, f), sq in zip(self.columns, self.squared)]
+            return [(moments[v.index][1] if v.square else moments[v.index][0]) if isinstance(v, _Sum) else v
+                    for v in values]
         # the squared columns first, so that their squares are one slice of the matrix; stacked straight into
-        # float64 (no float32 stack and copy)
+        # float64 (no float32 stack and copy); a transformed column is made whole here (a micro-batch's)
         order = sorted(range(len(self.columns)), key=lambda i: not self.squared[i])
         row = {i: r for r, i in enumerate(order)}
-        m = torch.empty(len(order), self.columns[0].numel(), dtype=torch.float64, device=self.columns[0].device)
-        torch.stack([self.columns[i] for i in order], out=m)
+        first = self.columns[0][0]
+        m = torch.empty(len(order), first.numel(), dtype=torch.float64, device=first.device)
+        torch.stack([c if f is None else f(c) for c, f in (self.columns[i] for i in order)], out=m)
         n_sq = sum(self.squared)
         plain, squares = m.sum(1).unbind(), (m[:n_sq] * m[:n_sq]).sum(1).unbind()  # (mul: faster than pow)
         done = {(i, False): plain[row[i]] for i in order}

@@ -114,30 +114,21 @@ def _pieces(x: torch.Tensor):
     return x.split(_CHUNK_TOKENS)
 
 
-def _identity(x: torch.Tensor) -> torch.Tensor:
-    return x
-
-
-def sum64(x: torch.Tensor, transform=None) -> torch.Tensor:
-    """Sum of ``transform(x)`` for ``[N]`` float32 values (or 0/1 flags: exact), accumulated in float64 (0-d),
-    converted in pieces (:func:`_pieces`).  ``transform`` (elementwise, float32 -> float32, such as ``abs`` or a
-    clamp; None: none) is applied piece by piece: the sum of ``|log r|`` needs no ``[N]`` buffer of its own."""
-    transform = transform or _identity
-    pieces = _pieces(x)
-    if len(pieces) == 1:  # one piece: fewest ops
-        return transform(x).double().sum()
-    return torch.stack([transform(piece).double().sum() for piece in pieces]).sum()
-
-
-def sum_sq64(x: torch.Tensor, transform=None) -> torch.Tensor:
-    """Sum of squares of ``transform(x)`` (``[N]`` float32 values), squared and accumulated in float64 (0-d; a
-    float32 square would round, a float64 one is exact), in pieces as :func:`sum64`."""
-    transform = transform or _identity
-    pieces = _pieces(x)
-    if len(pieces) == 1:
-        d = transform(x).double()
-        return torch.dot(d, d)
-    return torch.stack([torch.dot(d, d) for d in (transform(piece).double() for piece in pieces)]).sum()
+def moments64(x: torch.Tensor, transform=None, square: bool = False):
+    """``(sum, sum of squares or None)`` of ``transform(x)`` for ``[N]`` float32 values (or 0/1 flags: exact), each
+    0-d float64: converted to float64 in pieces (:func:`_pieces`), once for both sums (a float32 square would
+    round, a float64 one is exact).  ``transform`` (elementwise, float32 -> float32, such as ``abs`` or a clamp;
+    None: none) is applied piece by piece: the sum of ``|log r|`` needs no ``[N]`` buffer of its own."""
+    sums, squares = [], []
+    for piece in _pieces(x):
+        d = (piece if transform is None else transform(piece)).double()
+        sums.append(d.sum())
+        if square:
+            squares.append(torch.dot(d, d))
+    if len(sums) == 1:  # one piece: fewest ops
+        return sums[0], squares[0] if square else None
+    both = torch.stack(sums + squares).view(2 if square else 1, -1).sum(1)  # the pieces' sums added in float64
+    return both[0], both[1] if square else None
 
 
 def _as_values(column: torch.Tensor) -> torch.Tensor:

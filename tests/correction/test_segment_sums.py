@@ -147,17 +147,20 @@ def test_segment_max_equals_float64_max():
 
 
 @pytest.mark.parametrize("n", [100, 640, 1000])
-def test_token_sums_transform_piece_by_piece(monkeypatch, n):
-    """``sum64`` / ``sum_sq64`` with a transform (|x|, a clamp) applied piece by piece as they convert: the float64
-    sums of the transformed column, however many pieces (here 1, 5 and 8 of 128 tokens)."""
+def test_token_moments_transform_piece_by_piece(monkeypatch, n):
+    """``moments64`` with a transform (|x|, a clamp) applied piece by piece as it converts: the float64 sum and sum
+    of squares of the transformed column, however many pieces (here 1, 5 and 8 of 128 tokens)."""
     monkeypatch.setattr(packed, "_CHUNK_TOKENS", 128)
     x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 3
     band = lambda v: v.clamp(-0.5, 2.0)  # noqa: E731
-    for transform, made in ((torch.abs, x.abs()), (band, band(x))):
+    for transform, made in ((None, x), (torch.abs, x.abs()), (band, band(x))):
         want = made.double()
-        torch.testing.assert_close(packed.sum64(x, transform), want.sum(), rtol=1e-14, atol=1e-14)
-        torch.testing.assert_close(packed.sum_sq64(x, transform), want.dot(want), rtol=1e-14, atol=1e-14)
-        assert not torch.equal(packed.sum64(x, transform), packed.sum64(x))  # the transform did something
+        total, squares = packed.moments64(x, transform, square=True)
+        torch.testing.assert_close(total, want.sum(), rtol=1e-14, atol=1e-14)
+        torch.testing.assert_close(squares, want.dot(want), rtol=1e-14, atol=1e-14)
+        alone, none = packed.moments64(x, transform)
+        assert none is None and torch.equal(alone, total)
+    assert not torch.equal(packed.moments64(x, torch.abs)[0], packed.moments64(x)[0])  # the transform acts
 
 
 def test_token_counts_past_the_stack_are_exact():
