@@ -223,7 +223,8 @@ def _slime_mis(settings: SlimeMisSettings, train: torch.Tensor, rollout: torch.T
                      "clip": lambda: w0_seq.clamp(s.tis_lower, s.tis_upper), "mask": lambda: w0_seq}[s.tis_mode]()
             w0 = per_tok(w0_seq.float())
             w = per_tok(w_seq.float()) * m
-        metrics["tis_weight_before_bound"] = w0
+        # masked in place at the end (rho, or this call's gather): every other reader of it comes before
+        metrics["tis_weight_before_bound"] = _MaskInPlace(w0)
         if s.tis_mode == "truncate":
             metrics["tis_truncate_fraction"] = _flag(torch.gt, w0, s.tis_upper, m)
         else:
@@ -299,6 +300,13 @@ class _PerSequence:
         self.value = value
 
 
+class _MaskInPlace:
+    """A ``[N]`` metric of this call's own that nothing reads after :func:`_masked`, which masks it in place."""
+
+    def __init__(self, value: torch.Tensor):
+        self.value = value
+
+
 class _Masked:
     """A ``[N]`` metric already 0 off the loss mask (its product with the 0/1 mask is itself, bit for bit): returned
     as it is by :func:`_masked`, without a fresh copy."""
@@ -326,7 +334,8 @@ def _masked(metrics: Dict[str, Any], m: torch.Tensor, seq_of_token: torch.Tensor
     to their tokens in one gather of a ``[k, B + 1]`` matrix whose last column is 0, masked tokens pointing at it;
     the per-token ones are finite by construction (built from the zeroed and clamped log-ratio), so a product with
     the 0/1 mask zeroes them (``torch.where`` over ``[k, N]`` costs several times more on a CPU); a :class:`_Masked`
-    one is 0 off the mask already and is returned as it is (no fresh copy; two names given the same one share it).
+    one is 0 off the mask already and is returned as it is (no fresh copy; two names given the same one share it),
+    a :class:`_MaskInPlace` one is masked in its own buffer.
     ``seq_of_token`` is overwritten (the gather's index, made in place): the caller's last use of it."""
     names = [k for k, v in metrics.items() if isinstance(v, _PerSequence)]
     out = {}
@@ -339,5 +348,6 @@ def _masked(metrics: Dict[str, Any], m: torch.Tensor, seq_of_token: torch.Tensor
         out = dict(zip(names, table.index_select(1, at).detach().unbind()))
     for k, v in metrics.items():
         if k not in out:
-            out[k] = (v.value if isinstance(v, _Masked) else v * m).detach()
+            out[k] = (v.value if isinstance(v, _Masked) else v.value.mul_(m) if isinstance(v, _MaskInPlace)
+                      else v * m).detach()
     return {k: out[k] for k in metrics}
