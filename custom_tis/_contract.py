@@ -149,8 +149,11 @@ class Batch:
         self.mask = torch.ne(mask, 0, out=torch.empty(mask.shape, dtype=torch.float32, device=mask.device))
         own = checks is None
         checks = DeferredChecks() if own else checks
-        # a value other than 0 and 1 (NaN included) differs from its own "!= 0" as 0/1: one comparison
-        checks.add((self.mask != mask).sum(), "loss_masks must hold only 0 and 1")
+        if mask.dtype != torch.bool:  # (a bool mask holds nothing else)
+            # an integer other than 0 and 1 has a bit set above the lowest (a negative one, the sign bit); a float
+            # other than 0 and 1 (NaN included) differs from its own "!= 0" as 0/1
+            bad = torch.bitwise_and(mask, -2) if not mask.is_floating_point() else self.mask != mask
+            checks.add(torch.count_nonzero(bad), "loss_masks must hold only 0 and 1")
         if own:
             checks.raise_if_any()
 

@@ -139,7 +139,9 @@ def _slime_mis(settings: SlimeMisSettings, train: torch.Tensor, rollout: torch.T
     # Fresh [N] buffers are few and ops in place where they can be: on a CPU each fresh buffer costs page faults
     # (more than its arithmetic), and on any device each is one more pass over memory.
     train, rollout = train.detach().float(), rollout.detach().float()
-    m = torch.ne(mask, 0, out=torch.empty(n_tokens, dtype=torch.float32, device=dev))  # [N] float32 0/1
+    # [N] float32 0/1: a float32 mask is taken as it is (0/1, as the custom_tis Batch makes and checks it)
+    m = mask if mask.dtype == torch.float32 else torch.ne(mask, 0, out=torch.empty(n_tokens, dtype=torch.float32,
+                                                                                  device=dev))
     lr = train - rollout
     # loss tokens whose log r is not finite (|x| < inf is False for NaN and +-inf), as float32 0/1
     bad = torch.abs(lr).lt_(math.inf).mul_(m).neg_().add_(m)  # m - m * finite
