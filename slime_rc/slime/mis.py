@@ -108,6 +108,8 @@ def slime_mis(settings: SlimeMisSettings, train: torch.Tensor, rollout: torch.Te
               describe_token=None, checks: Optional[DeferredChecks] = None) -> SlimeMisResult:
     """slime's mis computation for packed tokens (see the module docstring).
 
+    ``mask``: the loss mask, 0/1 (any dtype; a non-zero integer or bool counts as 1); a float32 mask is used as it
+    is, so it must hold only 0 and 1 (``custom_tis``'s ``Batch`` makes it so and checks the caller's values).
     ``checks``: where the check for a non-finite log-prob on a loss token goes (the caller reads it); without it
     this call reads it once at the end and raises.  ``describe_token(j) -> str``: names packed index ``j`` (sample
     and response position) for that error; every rank of the CP group raises (the count is combined over the
