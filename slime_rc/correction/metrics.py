@@ -12,6 +12,7 @@ Conventions (all metrics are global over the reducer's batch group):
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Dict, List, Optional, Tuple
 
@@ -308,17 +309,6 @@ class _ValidExtremes:
         return pair
 
 
-class _Clamp:
-    """``x.clamp(lo, hi)`` as a transform for :class:`_TokenSums`, one object per band and call (so that the sum and
-    the sum of squares of a band share one transformed column)."""
-
-    def __init__(self, lo: float, hi: float):
-        self.lo, self.hi = lo, hi
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return x.clamp(self.lo, self.hi)
-
-
 def _band(c) -> Tuple[float, float]:
     """The band verl clamps an RS statistic into for its ``_std``: ``[lo, hi]`` of a k1 criterion (log-ratio
     space), ``[0, upper]`` for k2/k3 (a divergence has no lower bound)."""
@@ -344,7 +334,7 @@ def _rs_token_totals(tokens: TokenStats, local, config: RolloutCorrectionConfig,
         if lo > 0 or hi < 0:  # 0 (an invalid token) lies outside the band: clamping moved it, put it back
             column, band = stat.clamp(lo, hi).mul_(valid), None
         else:  # clamped piece by piece as it is summed (the same function for both sums: clamped once in a stack)
-            column, band = stat, _Clamp(lo, hi)
+            column, band = stat, functools.partial(torch.clamp, min=lo, max=hi)
         totals[c.option] = RsTokenTotals(
             stat_sum=local.log_ratio if k1 else local.k_sums[c.option],
             band_sum=sums.sum(column, band), band_sq_sum=sums.sum_sq(column, band),
