@@ -5,9 +5,11 @@
 agree on the settings and their sequence counts (``reducer.agree``, a host-side exchange; ``agreement.py``):
 
 1. per token (``token_stats.py``): ``log r`` (fp32), validity (loss token with finite log-probs), token-level
-   rejections (token RS criteria, token IS mask mode, veto flags), bounded token weights -> ``TokenStats``;
-2. per sequence (``sequence_stats.py``): valid-token count, ``sum log r``, ``sum log pi_rollout``, counts of flagged
-   tokens, k2/k3 sums/maxima, from local pieces combined by the reducer (collective 1) -> ``SequenceStats``;
+   rejections (token RS criteria, token IS mask mode, veto flags), bounded token weights -> ``TokenStats``; reduced
+   at once (``reductions.py``) to this rank's per-sequence sums (valid-token count, ``sum log r``,
+   ``sum log pi_rollout``, counts of flagged tokens, k2/k3 sums/maxima) and the token columns' batch totals
+   (histogram, extremes, moments) -> ``TokenReductions``: after this only the token keep flags and weights are read;
+2. per sequence (``sequence_stats.py``): the local sums combined by the reducer (collective 1) -> ``SequenceStats``;
 3. sequence decisions (``weights.py``): sequence/geometric IS weights, sequence RS, veto, mask mode, non-finite
    rejection -> ``SequenceDecisions``;
 4. per token (``weights.py``): keep mask and IS weights -> ``TokenWeights``; then the batch totals and quantile
@@ -34,7 +36,8 @@ from slime_rc.correction.packed import BAD_INPUT_SUMMARY, check_packed_inputs, d
 from slime_rc.correction.records import PackedBatch
 from slime_rc.correction.reducer import LocalReducer, as_reducer
 from slime_rc.correction.sequence_stats import sequence_statistics
-from slime_rc.correction.token_stats import NONFINITE_SUMMARY, describe_nonfinite, token_statistics
+from slime_rc.correction.reductions import token_reductions
+from slime_rc.correction.token_stats import NONFINITE_SUMMARY, describe_nonfinite
 from slime_rc.correction.weights import batch_normalize, sequence_decisions, token_weights
 
 
@@ -97,7 +100,7 @@ def compute_rollout_correction(
                         sequence_ids=token_sequence_ids(cu, train.numel()))  # cu is well formed (clamped)
 
     reducer.agree("compute_rollout_correction", config, batch.n_seqs)          # 0. ranks agree (host-side)
-    tokens = token_statistics(batch, config)                                    # 1. per token
+    tokens = token_reductions(batch, config)                                    # 1. per token, reduced
     seqs = sequence_statistics(batch, tokens, config, reducer)                  # 2. per sequence (collective 1)
     decisions = sequence_decisions(seqs, config)                                # 3. sequence decisions
     kept = token_weights(batch, tokens, decisions)                              # 4. keep mask and weights
@@ -109,7 +112,7 @@ def compute_rollout_correction(
                lambda: describe_bad_input(loss_mask, cu_seqlens, train.numel()))
     if config.on_nonfinite == "error":
         checks.add(totals.value(totals.tokens.nonfinite), NONFINITE_SUMMARY,
-                   lambda: describe_nonfinite(batch, tokens, decisions.nonfinite))
+                   lambda: describe_nonfinite(batch, decisions.nonfinite))
     if own:
         checks.raise_if_any()
     weights, norm = batch_normalize(kept, totals, config)                       # 5. batch normalization

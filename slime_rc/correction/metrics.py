@@ -24,8 +24,9 @@ from slime_rc.correction.packed import upload
 from slime_rc.correction.quantiles import QUANTILES, histogram, quantiles_from_histogram
 from slime_rc.correction.records import (BatchTotals, CriterionTotals, Extremes, PackedBatch, RsExtremes,
                                          RsSequenceTotals, RsTokenTotals, SequenceDecisions, SequenceExtremes,
-                                         SequenceStats, SequenceTotals, SequenceWeightTotals, TokenStats, TokenTotals,
-                                         TokenWeights, TokenWeightTotals, leaves, with_leaves)
+                                         SequenceStats, SequenceTotals, SequenceWeightTotals, TokenColumnTotals,
+                                         TokenReductions, TokenStats, TokenTotals, TokenWeights, TokenWeightTotals,
+                                         leaves, with_leaves)
 from slime_rc.correction.reducer import LocalReducer
 from slime_rc.correction.weights import outside_flag
 
@@ -122,7 +123,38 @@ METRICS = {
 _PPL_EXP_MAX = 700.0
 
 
-def batch_totals(batch: PackedBatch, tokens: TokenStats, seqs: SequenceStats, decisions: SequenceDecisions,
+def token_column_totals(tokens: TokenStats, config: RolloutCorrectionConfig) -> TokenColumnTotals:
+    """The totals of this rank's ``[N]`` token columns that do not depend on the sequence decisions (see
+    :class:`TokenColumnTotals`): stage 1's reductions, taken before collective 1 (``reductions.token_reductions``)."""
+    bound = config.safety_bound
+    valid_extremes, sums = _ValidExtremes(tokens), _TokenSums(tokens.valid.numel())
+    lr, valid = tokens.log_ratio, tokens.valid
+    raw_above = raw_below = hist = raw_extremes = None
+    if config.is_enabled and config.is_level == "token":
+        # invalid tokens hold lr == 0: they can only count when a bound sits on the wrong side of 1
+        raw_above = sums.count(outside_flag(lr, -math.inf, math.log(config.is_upper_bound), valid,
+                                            tokens.comparisons))
+        raw_below = sums.count(outside_flag(lr, math.log(config.is_lower), math.inf, valid, tokens.comparisons))
+        hist = histogram(lr, config.quantile_bins_per_octave, bound)  # invalid tokens in the centre bin
+        # extremes of clamp(lr) over valid tokens: those of lr, clamped (clamping is monotone, so it commutes with
+        # max); -inf (none) stays -inf.  One pass shared with a k1 token RS criterion's extremes of lr.
+        pair = valid_extremes.of(lr)
+        raw_extremes = torch.where(pair > -math.inf, pair.clamp(-bound, bound), pair)
+    rs_bands, rs_extremes = _rs_token_totals(tokens, config, valid_extremes, sums)
+    totals = TokenColumnTotals(
+        abs_log_ratio_sum=sums.sum(lr, torch.abs),
+        clamped_log_ratio_sum=sums.sum(tokens.clamped_log_ratio),
+        # sums of r and r^2 over valid tokens: invalid tokens hold r = 1 exactly, so their count comes off after
+        ratio_sum_all=sums.sum(tokens.ratio),
+        ratio_sq_sum_all=sums.sum_sq(tokens.ratio),
+        raw_above=raw_above, raw_below=raw_below,
+        rs_bands=rs_bands,
+        histogram=hist, raw_extremes=raw_extremes, rs_extremes=rs_extremes)
+    values = leaves(totals)
+    return with_leaves(totals, sums.resolve(values))
+
+
+def batch_totals(batch: PackedBatch, reductions: TokenReductions, seqs: SequenceStats, decisions: SequenceDecisions,
                  kept: TokenWeights, config: RolloutCorrectionConfig, reducer: LocalReducer,
                  malformed: torch.Tensor) -> BatchTotals:
     """The totals behind every metric and batch normalization, global over the reducer's batch group.
@@ -130,8 +162,10 @@ def batch_totals(batch: PackedBatch, tokens: TokenStats, seqs: SequenceStats, de
     One float64 vector goes through collective 2 (SUM): the :class:`TokenTotals` (sums over this rank's tokens, and
     ``malformed``, this rank's input-check flag), the quantile histogram (IS on) and the :class:`SequenceTotals`
     (sums of per-sequence terms, counted by one rank per sequence group); one through collective 3 (MAX): the
-    :class:`Extremes`.  Everything stays on the device: no host read.
+    :class:`Extremes`.  Everything stays on the device: no host read.  The token columns were reduced before
+    (``reductions``); of the ``[N]`` tensors only the kept weights are read here.
     """
+    columns = reductions.totals
     local = with_leaves(seqs.local, _sum_columns(leaves(seqs.local), batch))  # this rank's token counts and sums
     n_invalid = batch.n_tokens - local.valid_tokens
     # kept tokens: those no token rule rejected, in sequences not dropped (exact float64 counts, no pass over N)
@@ -139,18 +173,25 @@ def batch_totals(batch: PackedBatch, tokens: TokenStats, seqs: SequenceStats, de
         seqs.local.valid_tokens - seqs.local.token_rejected
     kept_tokens = (kept_per_seq * ~decisions.drop).sum() if batch.n_seqs else n_invalid * 0
     weight_totals, hist, (raw_max, raw_neg_min) = (None, None, (None, None))
-    valid_extremes, sums = _ValidExtremes(tokens), _TokenSums(batch.n_tokens)
+    sums = _TokenSums(batch.n_tokens)
     if config.is_enabled:
-        weight_totals, hist, (raw_max, raw_neg_min) = _is_token_totals(tokens, seqs, decisions, kept, config, n_invalid,
-                                                                       valid_extremes, sums)
-    rs_token_stats, rs_token_extremes = _rs_token_totals(tokens, local, config, valid_extremes, sums)
+        weight_totals, hist = _is_totals(columns, seqs, decisions, kept, config, n_invalid, sums)
+        if columns.raw_extremes is not None:
+            raw_max, raw_neg_min = columns.raw_extremes.unbind()
+    rs_token_stats: Dict[str, RsTokenTotals] = {}
+    for c in config.rs:
+        if c.granularity == "token":  # the band sums with the statistic's sum, from this rank's sequence sums
+            band = columns.rs_bands[c.option]
+            rs_token_stats[c.option] = RsTokenTotals(
+                local.log_ratio if c.statistic == "k1" else local.k_sums[c.option], band.band_sum,
+                band.band_sq_sum, band.above)
+    rs_token_extremes = {option: RsExtremes(*pair.unbind(), None) for option, pair in columns.rs_extremes.items()}
     token = TokenTotals(
         valid=local.valid_tokens, loss=local.valid_tokens + local.nonfinite_tokens, kept=kept_tokens,
-        log_ratio_sum=local.log_ratio, abs_log_ratio_sum=sums.sum(tokens.log_ratio, torch.abs),
-        clamped_log_ratio_sum=sums.sum(tokens.clamped_log_ratio),
-        # sums of r and r^2 over valid tokens: invalid tokens hold r = 1 exactly, so their count comes off after
-        ratio_sum_all=sums.sum(tokens.ratio),
-        ratio_sq_sum_all=sums.sum_sq(tokens.ratio),
+        log_ratio_sum=local.log_ratio, abs_log_ratio_sum=columns.abs_log_ratio_sum,
+        clamped_log_ratio_sum=columns.clamped_log_ratio_sum,
+        ratio_sum_all=columns.ratio_sum_all,
+        ratio_sq_sum_all=columns.ratio_sq_sum_all,
         invalid=n_invalid, nonfinite=local.nonfinite_tokens,
         veto=local.veto_tokens,
         rs_criteria=dict(local.rs_token_rejections),
@@ -250,34 +291,25 @@ def _sum_columns(columns: List[torch.Tensor], batch: PackedBatch) -> List[torch.
     return list(torch.stack(columns).sum(1).unbind())
 
 
-def _is_token_totals(tokens: TokenStats, seqs: SequenceStats, decisions: SequenceDecisions, kept: TokenWeights,
-                     config: RolloutCorrectionConfig, n_invalid: torch.Tensor, valid_extremes: "_ValidExtremes",
-                     sums: _TokenSums):
-    """IS on: the :class:`TokenWeightTotals`, the ``[num_bins]`` histogram of the raw log-ratio, and the token-level
-    raw extremes ``(max, -min)`` of ``clamp(log r)`` over valid tokens (-inf when there are none; None at sequence
-    level)."""
+def _is_totals(columns: TokenColumnTotals, seqs: SequenceStats, decisions: SequenceDecisions, kept: TokenWeights,
+               config: RolloutCorrectionConfig, n_invalid: torch.Tensor, sums: _TokenSums):
+    """IS on: the :class:`TokenWeightTotals` and the ``[num_bins]`` histogram of the raw log-ratio (token level: the
+    token columns' histogram with the invalid tokens taken out of the centre bin, where their ``log r = 0`` put
+    them; sequence/geometric level: the raw sequence log-ratio, counted once per valid token)."""
     bound, bins = config.safety_bound, config.quantile_bins_per_octave
-    log_hi, log_lo = math.log(config.is_upper_bound), math.log(config.is_lower)
     w = kept.weights
     if config.is_level == "token":
-        lr, valid = tokens.log_ratio, tokens.valid
-        # invalid tokens hold lr == 0: they can only count when a bound sits on the wrong side of 1
-        raw_above = sums.count(outside_flag(lr, -math.inf, log_hi, valid, tokens.comparisons))
-        raw_below = sums.count(outside_flag(lr, log_lo, math.inf, valid, tokens.comparisons))
-        hist = histogram(lr, bins, bound)
-        hist[hist.numel() // 2] -= n_invalid  # ... and land in the centre bin: take them out there
-        # extremes of clamp(lr) over valid tokens: those of lr, clamped (clamping is monotone, so it commutes with
-        # max); -inf (none) stays -inf.  One pass shared with a k1 token RS criterion's extremes of lr.
-        pair = valid_extremes.of(lr)
-        extremes = tuple(torch.where(pair > -math.inf, pair.clamp(-bound, bound), pair).unbind())
+        raw_above, raw_below = columns.raw_above, columns.raw_below
+        hist = columns.histogram.clone()  # (the reductions' own: a caller may hold them)
+        hist[hist.numel() // 2] -= n_invalid
     else:
+        log_hi, log_lo = math.log(config.is_upper_bound), math.log(config.is_lower)
         # token-weighted sums of a per-sequence value use this rank's token counts: exact after the SUM
         local_n, raw = seqs.local.valid_tokens, decisions.raw_log_ratio
         raw_above = (local_n * (raw > log_hi)).sum()
         raw_below = (local_n * (raw < log_lo)).sum()
         hist = histogram(raw.clamp(-bound, bound), bins, bound, weights=local_n)
-        extremes = (None, None)
-    return TokenWeightTotals(sums.sum(w), sums.sum_sq(w), raw_above, raw_below), hist, extremes
+    return TokenWeightTotals(sums.sum(w), sums.sum_sq(w), raw_above, raw_below), hist
 
 
 class _ValidExtremes:
@@ -316,13 +348,13 @@ def _band(c) -> Tuple[float, float]:
     return (0.0 if lo == -math.inf else lo), hi
 
 
-def _rs_token_totals(tokens: TokenStats, local, config: RolloutCorrectionConfig, valid_extremes: _ValidExtremes,
+def _rs_token_totals(tokens: TokenStats, config: RolloutCorrectionConfig, valid_extremes: _ValidExtremes,
                      sums: _TokenSums):
-    """Token-level RS criteria: option -> :class:`RsTokenTotals` (this rank's sums over valid tokens) and option ->
-    :class:`RsExtremes` (max of ``s_t`` and of ``-s_t`` over valid tokens, -inf when there are none).  ``local``:
-    this rank's :class:`SequenceSums` summed over its sequences (its token sums of ``log r`` and of k2/k3)."""
-    totals: Dict[str, RsTokenTotals] = {}
-    extremes: Dict[str, RsExtremes] = {}
+    """Token-level RS criteria: option -> :class:`RsTokenTotals` without ``stat_sum`` (this rank's band sums
+    over valid tokens and the k1 count above the band), and option -> ``[2]`` (max of ``s_t``, max of ``-s_t``) over valid tokens
+    (-inf when there are none)."""
+    bands: Dict[str, RsTokenTotals] = {}
+    extremes: Dict[str, torch.Tensor] = {}
     valid = tokens.valid
     for c in config.rs:
         if c.granularity != "token":
@@ -335,13 +367,11 @@ def _rs_token_totals(tokens: TokenStats, local, config: RolloutCorrectionConfig,
             column, band = stat.clamp(lo, hi).mul_(valid), None
         else:  # clamped piece by piece as it is summed (the same function for both sums: clamped once in a stack)
             column, band = stat, functools.partial(torch.clamp, min=lo, max=hi)
-        totals[c.option] = RsTokenTotals(
-            stat_sum=local.log_ratio if k1 else local.k_sums[c.option],
-            band_sum=sums.sum(column, band), band_sq_sum=sums.sum_sq(column, band),
+        bands[c.option] = RsTokenTotals(  # stat_sum: batch_totals takes it from the sequence sums
+            stat_sum=None, band_sum=sums.sum(column, band), band_sq_sum=sums.sum_sq(column, band),
             above=sums.count(outside_flag(stat, -math.inf, hi, valid, tokens.comparisons)) if k1 else None)
-        top, neg_bottom = valid_extremes.of(stat).unbind()
-        extremes[c.option] = RsExtremes(top, neg_bottom, None)
-    return totals, extremes
+        extremes[c.option] = valid_extremes.of(stat)
+    return bands, extremes
 
 
 def _sequence_terms(seqs: SequenceStats, decisions: SequenceDecisions, config: RolloutCorrectionConfig):

@@ -9,7 +9,8 @@ keeps its first place and the values of its last criterion, as the metric names 
 record             produced by                                 consumed by
 =================  ==========================================  ======================================================
 PackedBatch        engine (validated inputs)                   every stage
-TokenStats         1. token_stats.token_statistics             2, 4, batch totals, the non-finite error
+TokenStats         1. token_stats.token_statistics             1's reductions (reductions.token_reductions)
+TokenReductions    1. reductions.token_reductions              2, 4, batch totals
 SequenceStats      2. sequence_stats.sequence_statistics       3, batch totals, the result's ``sequences``
 SequenceDecisions  3. weights.sequence_decisions               4, batch totals, the non-finite error, ``sequences``
 TokenWeights       4. weights.token_weights                    batch totals, 5. weights.batch_normalize, ``keep_mask``
@@ -171,6 +172,51 @@ class TokenStats:
     k_max_terms: Dict[str, torch.Tensor]
     comparisons: Any
     counts: Tuple[torch.Tensor, ...] = ()
+
+
+@dataclass
+class TokenColumnTotals:
+    """Totals of this rank's ``[N]`` token columns that the sequence decisions do not change (0-d float64 unless
+    said; the token-level parts of :class:`TokenTotals` and :class:`Extremes`).
+
+    ``abs_log_ratio_sum`` / ``clamped_log_ratio_sum``: sums of ``|log r|`` / ``clamp(log r)`` over valid tokens.
+    ``ratio_sum_all`` / ``ratio_sq_sum_all``: sums of the bounded ``r`` / ``r^2`` over all N tokens (invalid ones
+    hold ``r = 1``).  ``rs_bands``: option -> :class:`RsTokenTotals` of a token-level RS criterion, without
+    ``stat_sum`` (None).  ``rs_extremes``: option -> ``[2]`` (max of ``s_t``, max of ``-s_t``) over valid tokens.
+    Token-level IS only (else None): ``raw_above`` / ``raw_below`` valid tokens whose raw ratio lies above
+    ``is_upper_bound`` / below ``is_lower``; ``histogram`` ``[num_bins]`` counts of ``log r`` over all N tokens
+    (the invalid ones, ``log r = 0``, in the centre bin: the batch totals take them out); ``raw_extremes`` ``[2]``
+    (max of ``clamp(log r)``, max of ``-clamp(log r)``) over valid tokens, -inf when there are none.
+    """
+
+    abs_log_ratio_sum: Number
+    clamped_log_ratio_sum: Number
+    ratio_sum_all: Number
+    ratio_sq_sum_all: Number
+    raw_above: Optional[Number]
+    raw_below: Optional[Number]
+    rs_bands: Dict[str, "RsTokenTotals"]
+    histogram: Optional[torch.Tensor]
+    raw_extremes: Optional[torch.Tensor]
+    rs_extremes: Dict[str, torch.Tensor]
+
+
+@dataclass
+class TokenReductions:
+    """Stage 1 reduced: what the later stages read of this rank's token columns, taken in one place before
+    collective 1 (``reductions.token_reductions``).
+
+    ``local``: this rank's :class:`SequenceSums` (``[B]`` each, before collective 1).  ``k_maxes``: option ->
+    ``[B]`` this rank's max of k2/k3 per sequence (-inf where it holds no valid token) for the sequence criteria
+    with aggregate ``max``.  ``totals``: :class:`TokenColumnTotals`.  ``keep`` / ``is_weight``: the ``[N]``
+    :class:`TokenStats` fields of those names, which stage 4 turns into the keep mask and weights.
+    """
+
+    local: "SequenceSums"
+    k_maxes: Dict[str, torch.Tensor]
+    totals: TokenColumnTotals
+    keep: torch.Tensor
+    is_weight: Optional[torch.Tensor]
 
 
 # ---- stage 2 ---------------------------------------------------------------------------------------------------

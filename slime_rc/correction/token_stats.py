@@ -111,12 +111,14 @@ def token_statistics(batch: PackedBatch, config: RolloutCorrectionConfig) -> Tok
     )
 
 
-def describe_nonfinite(batch: PackedBatch, tokens: TokenStats, nonfinite_seqs: torch.Tensor) -> str:
+def describe_nonfinite(batch: PackedBatch, nonfinite_seqs: torch.Tensor) -> str:
     """The ``on_nonfinite='error'`` message (slow path: reads the device freely), once the global count after
     collective 2 has shown a non-finite loss token somewhere in the batch group -- every rank sees that count, so
     all of them raise together.  ``nonfinite_seqs``: ``[B]`` bool, sequences with a non-finite token on any rank
     of their sequence group."""
-    where = first_nonfinite(batch.train, batch.rollout, tokens.nonfinite, batch.cu_seqlens)
+    # the loss tokens with a NaN/inf log-prob (TokenStats.nonfinite), found again: this path runs once, to raise
+    nonfinite = (batch.mask != 0) & ~torch.isfinite(batch.train - batch.rollout)
+    where = first_nonfinite(batch.train, batch.rollout, nonfinite, batch.cu_seqlens)
     if where is None:
         first = int(torch.nonzero(nonfinite_seqs)[0, 0]) if bool(nonfinite_seqs.any()) else None
         where = (f"sample {first} (its non-finite tokens are on another rank)" if first is not None

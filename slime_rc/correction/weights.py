@@ -25,8 +25,8 @@ from typing import List, Optional, Tuple
 import torch
 
 from slime_rc.config.schema import RolloutCorrectionConfig
-from slime_rc.correction.records import BatchTotals, PackedBatch, SequenceDecisions, SequenceStats, TokenStats, \
-    TokenWeights
+from slime_rc.correction.records import BatchTotals, PackedBatch, SequenceDecisions, SequenceStats, \
+    TokenReductions, TokenWeights
 
 
 def outside(stat: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
@@ -135,7 +135,7 @@ def sequence_decisions(seqs: SequenceStats, config: RolloutCorrectionConfig) -> 
 
 
 # ---- 4. per-token keep mask and weights ----------------------------------------------------------------------------
-def token_weights(batch: PackedBatch, tokens: TokenStats, decisions: SequenceDecisions) -> TokenWeights:
+def token_weights(batch: PackedBatch, tokens: TokenReductions, decisions: SequenceDecisions) -> TokenWeights:
     """Stage 4: ``keep = token keep x sequence not dropped`` and ``weights = w * keep`` (``[N]`` float32)."""
     keep = (~decisions.drop).float().index_select(0, batch.sequence_ids).mul_(tokens.keep)
     weights = None
