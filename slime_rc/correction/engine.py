@@ -36,6 +36,7 @@ from slime_rc.correction.packed import BAD_INPUT_SUMMARY, check_packed_inputs, d
 from slime_rc.correction.records import PackedBatch
 from slime_rc.correction.reducer import LocalReducer, as_reducer
 from slime_rc.correction.sequence_stats import sequence_statistics
+from slime_rc.correction.compiled import compiled_keep_and_weights, compiled_token_reductions, use_compiled
 from slime_rc.correction.reductions import token_reductions
 from slime_rc.correction.token_stats import NONFINITE_SUMMARY, describe_nonfinite
 from slime_rc.correction.weights import batch_normalize, sequence_decisions, token_weights
@@ -73,6 +74,7 @@ def compute_rollout_correction(
     *,
     reducer: Optional[LocalReducer] = None,
     checks: Optional[DeferredChecks] = None,
+    compile_token_pass: Optional[bool] = None,
 ) -> CorrectionResult:
     """IS weights, keep mask and metrics for packed sequences.
 
@@ -88,6 +90,9 @@ def compute_rollout_correction(
             values and, with ``on_nonfinite='error'``, non-finite log-probs on loss tokens.  None: the engine reads
             them itself, once, at the end (no read with ``on_nonfinite='reject'``).  A caller that checks more
             (a policy loss) passes its own and calls ``raise_if_any()`` once for all of them.
+        compile_token_pass: run the two passes over the tokens (stage 1 reduced, stage 4) through
+            ``torch.compile`` (``compiled.py``; the first call of a config compiles, ~10-40 s on a CPU).  None
+            (default): as the environment variable ``SLIME_RC_COMPILE`` says (``1`` on; unset or ``0`` off).
 
     Host reads: none, but that one deferred check; every tensor is created on the inputs' device.
     """
@@ -100,10 +105,12 @@ def compute_rollout_correction(
                         sequence_ids=token_sequence_ids(cu, train.numel()))  # cu is well formed (clamped)
 
     reducer.agree("compute_rollout_correction", config, batch.n_seqs)          # 0. ranks agree (host-side)
-    tokens = token_reductions(batch, config)                                    # 1. per token, reduced
+    compiled = use_compiled(compile_token_pass)
+    tokens = (compiled_token_reductions if compiled else token_reductions)(batch, config)  # 1. per token, reduced
     seqs = sequence_statistics(batch, tokens, config, reducer)                  # 2. per sequence (collective 1)
     decisions = sequence_decisions(seqs, config)                                # 3. sequence decisions
-    kept = token_weights(batch, tokens, decisions)                              # 4. keep mask and weights
+    kept = token_weights(batch, tokens, decisions,                              # 4. keep mask and weights
+                         combine=compiled_keep_and_weights if compiled else None)
     totals = batch_totals(batch, tokens, seqs, decisions, kept, config, reducer, malformed.double())  # (collective 2)
     # deferred checks on global counts (after collective 2): every rank of the batch group raises together
     own = checks is None

@@ -26,7 +26,7 @@ from slime_rc.correction.records import (BatchTotals, CriterionTotals, Extremes,
                                          RsSequenceTotals, RsTokenTotals, SequenceDecisions, SequenceExtremes,
                                          SequenceStats, SequenceTotals, SequenceWeightTotals, TokenColumnTotals,
                                          TokenReductions, TokenStats, TokenTotals, TokenWeights, TokenWeightTotals,
-                                         leaves, with_leaves)
+                                         leaves, register_type, with_leaves)
 from slime_rc.correction.reducer import LocalReducer
 from slime_rc.correction.weights import outside_flag
 
@@ -163,7 +163,7 @@ def batch_totals(batch: PackedBatch, reductions: TokenReductions, seqs: Sequence
     ``malformed``, this rank's input-check flag), the quantile histogram (IS on) and the :class:`SequenceTotals`
     (sums of per-sequence terms, counted by one rank per sequence group); one through collective 3 (MAX): the
     :class:`Extremes`.  Everything stays on the device: no host read.  The token columns were reduced before
-    (``reductions``); of the ``[N]`` tensors only the kept weights are read here.
+    (``reductions``) and the kept weights summed in stage 4 (``kept``): no ``[N]`` tensor is read here.
     """
     columns = reductions.totals
     local = with_leaves(seqs.local, _sum_columns(leaves(seqs.local), batch))  # this rank's token counts and sums
@@ -173,9 +173,8 @@ def batch_totals(batch: PackedBatch, reductions: TokenReductions, seqs: Sequence
         seqs.local.valid_tokens - seqs.local.token_rejected
     kept_tokens = (kept_per_seq * ~decisions.drop).sum() if batch.n_seqs else n_invalid * 0
     weight_totals, hist, (raw_max, raw_neg_min) = (None, None, (None, None))
-    sums = _TokenSums(batch.n_tokens)
     if config.is_enabled:
-        weight_totals, hist = _is_totals(columns, seqs, decisions, kept, config, n_invalid, sums)
+        weight_totals, hist = _is_totals(columns, seqs, decisions, kept, config, n_invalid)
         if columns.raw_extremes is not None:
             raw_max, raw_neg_min = columns.raw_extremes.unbind()
     rs_token_stats: Dict[str, RsTokenTotals] = {}
@@ -208,10 +207,10 @@ def batch_totals(batch: PackedBatch, reductions: TokenReductions, seqs: Sequence
         maxima = torch.full((len(columns),), -math.inf, dtype=torch.float64, device=batch.device).unbind()
     extremes = Extremes(token_raw_max=raw_max, token_raw_neg_min=raw_neg_min,
                         sequences=with_leaves(extreme_columns, maxima), rs_tokens=rs_token_extremes)
-    token = with_leaves(token, sums.resolve(leaves(token)))
     return _reduce(token, hist, terms, extremes, reducer, batch, config)
 
 
+@register_type  # a leaf of the records while the sums wait (see records.register_type)
 class _Sum:
     """A sum :class:`_TokenSums` computes later: of column ``index``, of its squares if ``square``."""
 
@@ -235,7 +234,7 @@ class _TokenSums:
     peak memory per token; the columns themselves live until the call ends anyway)."""
 
     def __init__(self, n_tokens: int):
-        self.stacked = n_tokens <= min(packed.MATRIX_TOKENS, _STACK_TOKENS)
+        self.stacked = not packed.tracing() and n_tokens <= min(packed.MATRIX_TOKENS, _STACK_TOKENS)
         self.columns: List[Tuple[torch.Tensor, object]] = []  # (column, transform or None), distinct
         self.squared: List[bool] = []
 
@@ -292,12 +291,11 @@ def _sum_columns(columns: List[torch.Tensor], batch: PackedBatch) -> List[torch.
 
 
 def _is_totals(columns: TokenColumnTotals, seqs: SequenceStats, decisions: SequenceDecisions, kept: TokenWeights,
-               config: RolloutCorrectionConfig, n_invalid: torch.Tensor, sums: _TokenSums):
+               config: RolloutCorrectionConfig, n_invalid: torch.Tensor):
     """IS on: the :class:`TokenWeightTotals` and the ``[num_bins]`` histogram of the raw log-ratio (token level: the
     token columns' histogram with the invalid tokens taken out of the centre bin, where their ``log r = 0`` put
     them; sequence/geometric level: the raw sequence log-ratio, counted once per valid token)."""
     bound, bins = config.safety_bound, config.quantile_bins_per_octave
-    w = kept.weights
     if config.is_level == "token":
         raw_above, raw_below = columns.raw_above, columns.raw_below
         hist = columns.histogram.clone()  # (the reductions' own: a caller may hold them)
@@ -309,7 +307,7 @@ def _is_totals(columns: TokenColumnTotals, seqs: SequenceStats, decisions: Seque
         raw_above = (local_n * (raw > log_hi)).sum()
         raw_below = (local_n * (raw < log_lo)).sum()
         hist = histogram(raw.clamp(-bound, bound), bins, bound, weights=local_n)
-    return TokenWeightTotals(sums.sum(w), sums.sum_sq(w), raw_above, raw_below), hist
+    return TokenWeightTotals(kept.kept_sum, kept.kept_sq_sum, raw_above, raw_below), hist
 
 
 class _ValidExtremes:
@@ -333,7 +331,8 @@ class _ValidExtremes:
             # one [N] buffer for both: stat where valid, -inf (then +inf) elsewhere
             masked = torch.where(self._is_valid, stat, -math.inf)
             top = masked.max()
-            bottom = torch.where(self._is_valid, stat, stat.new_full((), math.inf), out=masked).min()
+            out = None if packed.tracing() else masked  # (compiled: no buffer at all)
+            bottom = torch.where(self._is_valid, stat, stat.new_full((), math.inf), out=out).min()
             pair = torch.stack([top, bottom.neg()]).double()
         else:  # no tokens on this rank (a shape, not a value: no read)
             pair = torch.full((2,), -math.inf, dtype=torch.float64, device=stat.device)

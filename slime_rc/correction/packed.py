@@ -14,6 +14,13 @@ import torch
 _FLOAT_INPUTS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def tracing() -> bool:
+    """Whether ``torch.compile`` is tracing the caller (``slime_rc.correction.compiled``): the helpers that shape
+    their work for eager kernels (copies in pieces, ``out=`` buffers, a matrix for small batches) then take the one
+    form the compiler fuses best."""
+    return torch.compiler.is_compiling()
+
+
 def cu_seqlens_from_lengths(lengths, device=None) -> torch.Tensor:
     """``[3, 1, 2]`` -> ``tensor([0, 3, 4, 6])`` (int64)."""
     lengths = torch.as_tensor(lengths, dtype=torch.int64, device=device)
@@ -49,7 +56,7 @@ def segment_sum(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
 _BLOCK = 64
 
 
-def segment_sums(columns: List[torch.Tensor], cu_seqlens: torch.Tensor, counts=()) -> torch.Tensor:
+def segment_sums(columns: List[torch.Tensor], cu_seqlens: torch.Tensor, counts=(), signed=None) -> torch.Tensor:
     """Per-sequence sums of several ``[N]`` columns at once: ``k x [N] -> [k, B]`` float64.
 
     Up to ``MATRIX_TOKENS`` tokens (a micro-batch: kernel launches are the cost), the columns are copied into one
@@ -68,7 +75,7 @@ def segment_sums(columns: List[torch.Tensor], cu_seqlens: torch.Tensor, counts=(
     """
     n, dev = columns[0].numel(), columns[0].device
     unique, slot = _distinct(columns)
-    if n <= MATRIX_TOKENS:
+    if not tracing() and n <= MATRIX_TOKENS:  # (compiled: one formula for every N, fused into the token pass)
         m = torch.empty(len(unique), n + 1, dtype=torch.float64, device=dev)
         m[:, :1].zero_()  # the rest is overwritten: zeroing it all would be one more pass over k x N
         for row, column in zip(m[:, 1:], unique):
@@ -77,7 +84,7 @@ def segment_sums(columns: List[torch.Tensor], cu_seqlens: torch.Tensor, counts=(
         at = m.index_select(1, cu_seqlens)
         per_seq = at[:, 1:] - at[:, :-1]
     else:
-        per_seq = _blocked_segment_sums(unique, cu_seqlens, counts)
+        per_seq = _blocked_segment_sums(unique, cu_seqlens, counts, signed)
     if len(unique) == len(columns):
         return per_seq
     rows = per_seq.unbind()
@@ -109,7 +116,7 @@ def _pieces(x: torch.Tensor):
     once is fresh memory each call, page faults that cost more than the sum; a piece's copy is small and reused),
     whole on a GPU (each piece is a kernel launch; measured on an H100: 128 pieces a column made 8M tokens take
     48 ms, launch-bound, and the caching allocator reuses the whole copy anyway)."""
-    if x.device.type != "cpu" or x.numel() <= _CHUNK_TOKENS:
+    if tracing() or x.device.type != "cpu" or x.numel() <= _CHUNK_TOKENS:  # compiled: no copy to make small
         return (x,)
     return x.split(_CHUNK_TOKENS)
 
@@ -119,6 +126,9 @@ def moments64(x: torch.Tensor, transform=None, square: bool = False):
     0-d float64: converted to float64 in pieces (:func:`_pieces`), once for both sums (a float32 square would
     round, a float64 one is exact).  ``transform`` (elementwise, float32 -> float32, such as ``abs`` or a clamp;
     None: none) is applied piece by piece: the sum of ``|log r|`` needs no ``[N]`` buffer of its own."""
+    if tracing():  # compiled: two reductions fused with the code that makes x (no float64 buffer, no dot)
+        d = (x if transform is None else transform(x)).double()  # squared in float64: exact, as eager
+        return d.sum(), (d * d).sum() if square else None
     sums, squares = [], []
     for piece in _pieces(x):
         d = (piece if transform is None else transform(piece)).double()
@@ -136,7 +146,7 @@ def _as_values(column: torch.Tensor) -> torch.Tensor:
     return column.view(torch.uint8) if column.dtype == torch.bool else column
 
 
-def _blocked_segment_sums(columns: List[torch.Tensor], cu_seqlens: torch.Tensor, counts) -> torch.Tensor:
+def _blocked_segment_sums(columns: List[torch.Tensor], cu_seqlens: torch.Tensor, counts, signed) -> torch.Tensor:
     """:func:`segment_sums` past ``MATRIX_TOKENS``: ``k x [N] -> [k, B]`` float64 from block sums."""
     n, dev = columns[0].numel(), columns[0].device
     n_blocks = n // _BLOCK + 1  # the last block holds the N % 64 tokens past the whole blocks (maybe none)
@@ -146,14 +156,20 @@ def _blocked_segment_sums(columns: List[torch.Tensor], cu_seqlens: torch.Tensor,
     spans = last > first  # [B]: the sequence reaches past its first block
     position = torch.arange(_BLOCK, device=dev)
     at = (block_of[:, None] * _BLOCK + position).clamp_(max=n - 1).view(-1)  # [(B+1) * 64] token positions
-    pieces = [_blocks_of_column(c, c.dtype == torch.bool or any(c is f for f in counts), n, at) for c in columns]
+    def exact32(c):  # counts: exact in float32 (<= 64 per block); compiled, same-sign values too (see above)
+        return c.dtype == torch.bool or any(c is f for f in counts) or \
+            (signed is not None and tracing() and not any(c is f for f in signed))
+    pieces = [_blocks_of_column(c, exact32(c), n, at) for c in columns]
     block_sums, ends = (torch.stack(p) for p in zip(*pieces))  # [k, n_blocks], [k, B+1, 64]
     # [B, 64]: the tokens of its first / last block that belong to each sequence (all < N)
     in_first = (position >= offset[:-1, None]) & ((position < offset[1:, None]) | spans[:, None])
     in_last = (position < offset[1:, None]) & spans[:, None]
     inner = torch.maximum(last, first + 1)  # whole blocks first+1 .. last-1 (none unless the sequence spans)
-    before = torch.zeros(len(columns), n_blocks + 1, dtype=torch.float64, device=dev)  # [:, j]: blocks < j
-    torch.cumsum(block_sums, 1, dtype=torch.float64, out=before[:, 1:])
+    if tracing():  # torch.compile takes no out= into a slice
+        before = torch.nn.functional.pad(torch.cumsum(block_sums, 1, dtype=torch.float64), (1, 0))
+    else:
+        before = torch.zeros(len(columns), n_blocks + 1, dtype=torch.float64, device=dev)  # [:, j]: blocks < j
+        torch.cumsum(block_sums, 1, dtype=torch.float64, out=before[:, 1:])
     partial = (ends[:, :-1] * in_first).sum(2, dtype=torch.float64) + \
         (ends[:, 1:] * in_last).sum(2, dtype=torch.float64)
     return before.index_select(1, inner) - before.index_select(1, first + 1) + partial
@@ -166,10 +182,18 @@ def _blocks_of_column(column: torch.Tensor, count: bool, n: int, at: torch.Tenso
     values = _as_values(column)
     whole = n // _BLOCK * _BLOCK
     dtype = torch.float32 if count else torch.float64  # counts: exact in float32 (<= 64 per block)
+    at_boundaries = values.index_select(0, at).view(-1, _BLOCK)
+    if tracing():  # compiled: the whole blocks as a view (a padded copy would load through a mask, ~3x slower)
+        body = values[:whole].view(-1, _BLOCK).sum(1, dtype=dtype)
+        # the tail: the last 64 tokens (zeros before the first when N < 64), those past the whole blocks; one
+        # formula for any N % 64 (a slice of N % 64 tokens would be compiled again for 0 and 1)
+        last = torch.nn.functional.pad(values, (_BLOCK, 0))[-_BLOCK:]
+        past = torch.arange(_BLOCK, device=values.device) >= _BLOCK - (n - whole)
+        return torch.cat([body, (last * past).sum(dtype=dtype).reshape(1)]), at_boundaries
     # a reduction into another dtype converts its whole input first: in chunks, that copy stays small and reused
     body = [piece.view(-1, _BLOCK).sum(1, dtype=dtype) for piece in _pieces(values[:whole])]
     tail = values[whole:].sum(dtype=dtype).reshape(1)
-    return torch.cat(body + [tail]), values.index_select(0, at).view(-1, _BLOCK)
+    return torch.cat(body + [tail]), at_boundaries
 
 
 def segment_max(values: torch.Tensor, sequence_of_tokens: torch.Tensor, n_seqs: int,

@@ -314,10 +314,13 @@ class SequenceDecisions:
 class TokenWeights:
     """Stage 4: ``keep`` ``[N]`` float32 0/1 (token kept in the loss) and ``weights`` ``[N]`` float32 IS weight of
     each kept token (0 elsewhere) before batch normalization (``weights.batch_normalize`` then divides this buffer in
-    place); None when IS is off."""
+    place); ``kept_sum`` / ``kept_sq_sum``: 0-d float64 sums of ``weights`` / their squares over this rank's tokens
+    (the batch totals' :class:`TokenWeightTotals`).  The last three are None when IS is off."""
 
     keep: torch.Tensor
     weights: Optional[torch.Tensor]
+    kept_sum: Optional[torch.Tensor] = None
+    kept_sq_sum: Optional[torch.Tensor] = None
 
 
 # ---- batch totals (collectives 2 and 3) ------------------------------------------------------------------------
@@ -541,3 +544,16 @@ class BatchTotals:
     def value(self, position: int) -> torch.Tensor:
         """One reduced total (0-d float64) by its position in ``sums``."""
         return self.sums[position]
+
+
+def register_type(cls: type) -> type:
+    """Looks up a record's (or a leaf type's) fields ahead: torch.compile (``compiled.py``) traces the walks above,
+    and follows a lookup in a dict that no longer changes (it cannot follow ``dataclasses.fields``, and a dict that
+    grows would make it compile again).  Every record here and the leaf types are registered at import."""
+    _fields_of(cls)
+    return cls
+
+
+for _type in [v for v in list(globals().values()) if isinstance(v, type) and dataclasses.is_dataclass(v)] + \
+        [torch.Tensor, dict, int, float, bool]:
+    register_type(_type)

@@ -44,8 +44,12 @@ def token_statistics(batch: PackedBatch, config: RolloutCorrectionConfig) -> Tok
     # valid = loss token with a finite log r (NaN or inf on either side makes it non-finite); as float32 0/1
     valid = lr.abs().lt_(math.inf).mul_(mask)  # in place: one [N] buffer
     # zeros keep every sum below finite and exact: non-finite values go to 0 first, then masked tokens
-    lr = torch.nan_to_num_(lr, 0.0, 0.0, 0.0).mul_(valid)
-    rollout_v = torch.nan_to_num(rollout, 0.0, 0.0, 0.0).mul_(valid)
+    if torch.compiler.is_compiling():  # compiled: a select (inductor's nan_to_num tests NaN one value at a time)
+        is_valid = valid > 0
+        lr, rollout_v = torch.where(is_valid, lr, 0.0), torch.where(is_valid, rollout, 0.0)
+    else:
+        lr = torch.nan_to_num_(lr, 0.0, 0.0, 0.0).mul_(valid)
+        rollout_v = torch.nan_to_num(rollout, 0.0, 0.0, 0.0).mul_(valid)
     lr_c = lr.clamp(-bound, bound)
     ratio = torch.exp(lr_c)  # safety-bounded per-token ratio; exactly 1 on invalid tokens
 

@@ -25,6 +25,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from slime_rc.config.schema import RolloutCorrectionConfig
+from slime_rc.correction.packed import moments64
 from slime_rc.correction.records import BatchTotals, PackedBatch, SequenceDecisions, SequenceStats, \
     TokenReductions, TokenWeights
 
@@ -49,7 +50,10 @@ class Comparisons:
         for s, c, b, flag in self._done:
             if s is stat and c is compare and b == bound:
                 return flag
-        flag = compare(stat, bound, out=torch.empty_like(stat))
+        if torch.compiler.is_compiling():  # compiled: no buffer (out= would make inductor write one)
+            flag = compare(stat, bound).to(stat.dtype)
+        else:
+            flag = compare(stat, bound, out=torch.empty_like(stat))
         self._done.append((stat, compare, bound, flag))
         return flag
 
@@ -135,15 +139,33 @@ def sequence_decisions(seqs: SequenceStats, config: RolloutCorrectionConfig) -> 
 
 
 # ---- 4. per-token keep mask and weights ----------------------------------------------------------------------------
-def token_weights(batch: PackedBatch, tokens: TokenReductions, decisions: SequenceDecisions) -> TokenWeights:
-    """Stage 4: ``keep = token keep x sequence not dropped`` and ``weights = w * keep`` (``[N]`` float32)."""
-    keep = (~decisions.drop).float().index_select(0, batch.sequence_ids).mul_(tokens.keep)
-    weights = None
-    if tokens.is_weight is not None:
-        weights = tokens.is_weight * keep
-    elif decisions.is_weight is not None:
-        weights = decisions.is_weight.float().index_select(0, batch.sequence_ids).mul_(keep)
-    return TokenWeights(keep=keep, weights=weights)
+def token_weights(batch: PackedBatch, tokens: TokenReductions, decisions: SequenceDecisions,
+                  combine=None) -> TokenWeights:
+    """Stage 4: ``keep = token keep x sequence not dropped`` and ``weights = w * keep`` (``[N]`` float32), with the
+    sums of the kept weights and of their squares (see :func:`keep_and_weights`; ``combine``: it, or its compiled
+    form, ``compiled.compiled_keep_and_weights``; None: it)."""
+    keep, weights, kept_sum, kept_sq_sum = (combine or keep_and_weights)(
+        batch.sequence_ids, (~decisions.drop).float(), tokens.keep, tokens.is_weight,
+        None if decisions.is_weight is None else decisions.is_weight.float())
+    return TokenWeights(keep=keep, weights=weights, kept_sum=kept_sum, kept_sq_sum=kept_sq_sum)
+
+
+def keep_and_weights(sequence_ids: torch.Tensor, not_dropped: torch.Tensor, token_keep: torch.Tensor,
+                     token_weight: Optional[torch.Tensor], sequence_weight: Optional[torch.Tensor]):
+    """``(keep, weights, sum of weights, sum of squared weights)``: ``keep = token_keep x not_dropped[sequence]``
+    (``[N]`` float32 0/1); ``weights = token_weight x keep`` at token level, ``sequence_weight[sequence] x keep`` at
+    sequence/geometric level (``[N]`` float32; None and None sums when IS is off); the sums 0-d float64 over all
+    N tokens (the kept ones: the rest are 0), for the IS mean/std/ESS metrics and batch normalization.
+    ``sequence_ids``: ``[N]`` int32; ``not_dropped``, ``sequence_weight``: ``[B]`` float32."""
+    keep = not_dropped.index_select(0, sequence_ids).mul_(token_keep)
+    if token_weight is not None:
+        weights = token_weight * keep
+    elif sequence_weight is not None:
+        weights = sequence_weight.index_select(0, sequence_ids).mul_(keep)
+    else:
+        return keep, None, None, None
+    kept_sum, kept_sq_sum = moments64(weights, square=True)
+    return keep, weights, kept_sum, kept_sq_sum
 
 
 # ---- 5. batch normalization ------------------------------------------------------------------------------------

@@ -1,0 +1,255 @@
+"""The compiled token passes (``slime_rc.correction.compiled``, opt-in) against the eager engine.
+
+``compile_token_pass=True`` runs stage 1 reduced and stage 4 through ``torch.compile`` (inductor's C++ backend on
+the CPU).  Each test compiles for real (~5-15 s per config here), so the grid is a few configs that together take
+every branch of stage 1: token/sequence/geometric IS in truncate/clip/mask mode, token and sequence RS on k1/k2/k3
+with sum/mean/max, veto, batch normalization, ``on_nonfinite`` both ways, metrics only.  Each config runs on four
+batches of different sizes (a micro-batch with an empty and a fully masked sequence, one past the eager path's
+matrix size, one with ``N % 64 == 0``, one with more samples) that reuse the compiled graphs (dynamic shapes; inductor
+compiles one graph per size class: up to 4096 tokens and past it).  Plus: a 2-rank gloo
+context-parallel split against the single-process eager result, the host reads, the error messages, the eager
+fallback when compiling fails, and the environment variable.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from dataclasses import replace
+
+import pytest
+import torch
+
+from slime_rc import RolloutCorrectionConfig, compute_rollout_correction, cu_seqlens_from_lengths, \
+    parse_rejection_criteria
+from slime_rc.correction import compiled
+from slime_rc.testing.host_reads import HostReads
+
+from tests.dist_utils import run_distributed
+
+RS = parse_rejection_criteria
+CONFIGS = {
+    "token_truncate_rs_veto_norm": RolloutCorrectionConfig(
+        is_level="token", is_upper_bound=2.0, is_batch_normalize=True, rs=RS("token", 2.0), veto_threshold=1e-4),
+    "sequence_clip_max_k2_veto_reject": RolloutCorrectionConfig(
+        is_level="sequence", is_mode="clip", is_upper_bound=3.0, rs=RS("seq_max_k2", 0.05), veto_threshold=1e-4,
+        on_nonfinite="reject"),
+    "geometric_mask_mean_k3_token_k1_norm": RolloutCorrectionConfig(
+        is_level="geometric", is_mode="mask", is_upper_bound=1.5, is_batch_normalize=True,
+        rs=RS("seq_mean_k3,token_k1", "0.01,0.85_1.1")),
+    "token_mask_token_k2_reject": RolloutCorrectionConfig(
+        is_level="token", is_mode="mask", is_upper_bound=1.3, rs=RS("token_k2", 0.5), on_nonfinite="reject"),
+    "rs_only_seq_sum_k1_token_k3_seq_mean_k1": RolloutCorrectionConfig(
+        rs=RS("seq_sum_k1,token_k3,seq_mean_k1", "0.5_2.0,0.5,0.7_1.4")),
+    "metrics_only": RolloutCorrectionConfig(get_mismatch_metrics=True),
+}
+
+
+def _batch(lengths, seed=0, nan=False):
+    g = torch.Generator().manual_seed(seed)
+    n = sum(lengths)
+    rollout = -torch.rand(n, generator=g) * 3
+    train = rollout + 0.15 * torch.randn(n, generator=g)
+    train[:: 997] -= 12.0  # catastrophic tokens (veto)
+    mask = (torch.rand(n, generator=g) > 0.1).float()
+    cu = cu_seqlens_from_lengths(lengths)
+    if len(lengths) > 3:  # sequence 2 fully masked, sequence 3 empty (length 0 in `lengths`)
+        mask[int(cu[2]):int(cu[3])] = 0.0
+    if nan:
+        mask[5] = 1.0
+        train[5] = float("nan")
+    return train, rollout, mask, cu
+
+
+BATCHES = {
+    "micro": [37, 120, 64, 0, 500, 1, 2000, 311],  # an empty sequence (3) and a fully masked one (2)
+    "past_matrix": [30_000, 41_000, 7],  # > packed.MATRIX_TOKENS: the eager blocked segment sums
+    "whole_blocks": [64 * 40, 64 * 25],  # N % 64 == 0
+    "more_samples": [900] * 40 + [3],  # another N and B: the same graphs as past_matrix's
+}
+
+
+def _compare(eager, fast, where):
+    assert torch.equal(eager.keep_mask, fast.keep_mask), where
+    if eager.is_weights is None:
+        assert fast.is_weights is None, where
+    else:
+        torch.testing.assert_close(fast.is_weights, eager.is_weights, rtol=1e-6, atol=1e-7, msg=where)
+    assert list(eager.metrics) == list(fast.metrics), where
+    for name in eager.metrics:
+        e, f = float(eager.metrics[name]), float(fast.metrics[name])
+        assert math.isclose(e, f, rel_tol=1e-6, abs_tol=1e-9), (where, name, e, f)
+    assert list(eager.sequences) == list(fast.sequences), where
+    for name in eager.sequences:
+        torch.testing.assert_close(fast.sequences[name], eager.sequences[name], rtol=1e-6, atol=1e-9,
+                                   msg=f"{where}: sequences[{name!r}]")
+
+
+def _graphs() -> int:
+    import torch._dynamo.utils
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def dynamo_on():
+    """tests/conftest.py turns dynamo off for the session (TORCHDYNAMO_DISABLE=1: torch.compile is then a no-op);
+    on for this module, with the compiled functions made afresh (one made while it was off would stay eager)."""
+    saved = os.environ.get("TORCHDYNAMO_DISABLE")
+    os.environ["TORCHDYNAMO_DISABLE"] = "0"
+    compiled._REDUCTIONS.clear()
+    compiled._KEEP_AND_WEIGHTS.clear()
+    yield
+    compiled._REDUCTIONS.clear()
+    compiled._KEEP_AND_WEIGHTS.clear()
+    if saved is None:
+        del os.environ["TORCHDYNAMO_DISABLE"]
+    else:
+        os.environ["TORCHDYNAMO_DISABLE"] = saved
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_compiled_equals_eager_on_every_batch_with_one_graph_per_pass(name):
+    config = CONFIGS[name]
+    nan = config.on_nonfinite == "reject"
+    before = graphs = _graphs()
+    for i, (label, lengths) in enumerate(BATCHES.items()):
+        batch = _batch(lengths, seed=i, nan=nan)
+        eager = compute_rollout_correction(*batch, config, compile_token_pass=False)
+        fast = compute_rollout_correction(*batch, config, compile_token_pass=True)
+        assert not compiled._FAILED, compiled._FAILED
+        _compare(eager, fast, f"{name} on {label}")
+        if i == 0:
+            assert _graphs() > before, f"{name}: nothing was compiled"
+        if i <= 1:  # inductor compiles per size class: its C++ reductions use a cascade sum past 4096 elements
+            graphs = _graphs()
+        else:
+            assert _graphs() == graphs, f"{name}: {label} compiled again (dynamic shapes should reuse the graph)"
+
+
+def test_the_environment_variable_switches_it_and_a_bad_value_is_named(monkeypatch):
+    monkeypatch.delenv(compiled.ENV, raising=False)
+    assert compiled.use_compiled(None) is False
+    assert compiled.use_compiled(True) is True
+    for value, on in (("1", True), ("0", False), ("", False), (" 1 ", True)):
+        monkeypatch.setenv(compiled.ENV, value)
+        assert compiled.use_compiled(None) is on
+        assert compiled.use_compiled(False) is False  # an explicit argument wins
+    monkeypatch.setenv(compiled.ENV, "yes")
+    with pytest.raises(ValueError, match=r"SLIME_RC_COMPILE='yes': set it to 1 .* or 0"):
+        compute_rollout_correction(*_batch([5, 6]), CONFIGS["metrics_only"])
+
+
+def test_each_pass_is_one_graph_without_a_break_so_nothing_in_it_reads_the_host():
+    """A compiled graph runs without Python: a host read could only come from a graph break (dynamo breaks the graph
+    at ``.item()``, a data-dependent shape, ``.tolist()``).  A new config compiles exactly two graphs (stage 1
+    reduced, stage 4) and no break; what runs around them is the eager engine, whose reads tests/correction/
+    test_host_reads.py counts (0 with ``'reject'``, 1 with ``'error'``) -- and so does HostReads here: under a
+    dispatch mode the passes run eagerly (see compiled._run)."""
+    import torch._dynamo.utils
+
+    batch = _batch(BATCHES["micro"])
+    for on_nonfinite, expected in (("reject", 0), ("error", 1)):
+        config = replace(CONFIGS["token_truncate_rs_veto_norm"], on_nonfinite=on_nonfinite, is_upper_bound=2.5)
+        breaks, graphs = sum(torch._dynamo.utils.counters["graph_break"].values()), _graphs()
+        compute_rollout_correction(*batch, config, compile_token_pass=True)
+        assert sum(torch._dynamo.utils.counters["graph_break"].values()) == breaks, \
+            dict(torch._dynamo.utils.counters["graph_break"])
+        assert _graphs() - graphs in (1, 2), _graphs() - graphs  # stage 4's graph is shared between configs
+        with HostReads() as reads:
+            compute_rollout_correction(*batch, config, compile_token_pass=True)
+        assert reads.count == expected, reads.report()
+
+
+def test_a_dispatch_mode_does_not_slow_the_compiled_passes_down_afterwards():
+    """torch 2.13: a compiled function called once under a TorchDispatchMode runs at eager speed ever after; the
+    passes run eagerly under a mode, so the compiled graph is still the one that runs after it."""
+    import torch._dynamo.utils
+
+    config = replace(CONFIGS["token_truncate_rs_veto_norm"], is_upper_bound=3.5)
+    batch = _batch(BATCHES["micro"])
+    compute_rollout_correction(*batch, config, compile_token_pass=True)
+    with HostReads():
+        compute_rollout_correction(*batch, config, compile_token_pass=True)
+    # the compiled graph still runs: inductor's C++ kernel is called (counted by the profiler as a compiled graph)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        compute_rollout_correction(*batch, config, compile_token_pass=True)
+    names = [e.key for e in prof.key_averages()]
+    assert any("CompiledFxGraph" in n or "Torch-Compiled Region" in n for n in names), names[:20]
+    assert not torch._dynamo.utils.counters["graph_break"]
+
+
+def test_compiled_errors_name_sample_and_position():
+    train, rollout, mask, cu = _batch(BATCHES["micro"])
+    mask[:] = 1.0
+    k = int(cu[4]) + 3
+    train[k] = float("nan")
+    with pytest.raises(ValueError, match=rf"train_log_probs is nan at sample 4, position 3 \(packed index {k}\)"):
+        compute_rollout_correction(train, rollout, mask, cu, CONFIGS["token_truncate_rs_veto_norm"],
+                                   compile_token_pass=True)
+
+
+def test_a_failing_compiler_warns_once_and_runs_eagerly(monkeypatch):
+    def broken(fn, **kwargs):
+        def call(*args):
+            raise RuntimeError("no C++ compiler here")
+        return call
+
+    monkeypatch.setattr(compiled.torch, "compile", broken)
+    monkeypatch.setattr(compiled, "_REDUCTIONS", {})
+    monkeypatch.setattr(compiled, "_KEEP_AND_WEIGHTS", {})
+    monkeypatch.setattr(compiled, "_FAILED", {})
+    config = CONFIGS["geometric_mask_mean_k3_token_k1_norm"]
+    batch = _batch(BATCHES["micro"])
+    with pytest.warns(RuntimeWarning, match=r"torch.compile of the token passes failed on cpu \(RuntimeError: no C\+\+"):
+        fast = compute_rollout_correction(*batch, config, compile_token_pass=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: the next call runs eagerly without a word
+        again = compute_rollout_correction(*batch, config, compile_token_pass=True)
+    eager = compute_rollout_correction(*batch, config, compile_token_pass=False)
+    _compare(eager, fast, "fallback")
+    _compare(eager, again, "fallback, second call")
+
+
+def _cp_rank(rank, world, config, lengths):
+    """Context parallelism over 2 gloo ranks, compiled: each rank holds alternate halves of every sequence."""
+    import os
+
+    import torch.distributed as dist
+    from slime_rc.correction.reducer import DistributedReducer
+
+    os.environ["TORCHDYNAMO_DISABLE"] = "0"  # tests.dist_utils turns dynamo off in its children
+    train, rollout, mask, cu = _batch(lengths, nan=config.on_nonfinite == "reject")
+    pieces, mine = [], []
+    for i in range(len(lengths)):
+        idx = torch.arange(int(cu[i]), int(cu[i + 1]))
+        half = idx.numel() // 2
+        own = idx[:half] if rank == 0 else idx[half:]
+        mine.append(own)
+        pieces.append(own.numel())
+    own = torch.cat(mine)
+    out = compute_rollout_correction(train[own], rollout[own], mask[own], cu_seqlens_from_lengths(pieces), config,
+                                     reducer=DistributedReducer(sequence_group=dist.group.WORLD),
+                                     compile_token_pass=True)
+    return {"own": own, "keep": out.keep_mask, "weights": out.is_weights,
+            "metrics": {k: float(v) for k, v in out.metrics.items()}, "sequences": out.sequences,
+            "failed": dict(compiled._FAILED), "graphs": _graphs()}
+
+
+@pytest.mark.parametrize("name", ["token_truncate_rs_veto_norm", "sequence_clip_max_k2_veto_reject"])
+def test_compiled_under_context_parallelism_equals_one_process(name):
+    config, lengths = CONFIGS[name], BATCHES["micro"]
+    results = run_distributed(_cp_rank, 2, args=(config, lengths), timeout=240)
+    batch = _batch(lengths, nan=config.on_nonfinite == "reject")
+    eager = compute_rollout_correction(*batch, config, compile_token_pass=False)
+    for rank, r in enumerate(results):
+        assert not r["failed"], r["failed"]
+        assert r["graphs"] >= 2, r["graphs"]  # it compiled (stage 1 reduced, stage 4) rather than ran eagerly
+        where = f"{name}, CP rank {rank}"
+        assert torch.equal(r["keep"], eager.keep_mask[r["own"]]), where
+        if eager.is_weights is not None:
+            torch.testing.assert_close(r["weights"], eager.is_weights[r["own"]], rtol=1e-6, atol=1e-7, msg=where)
+        for k, v in eager.metrics.items():
+            assert math.isclose(r["metrics"][k], float(v), rel_tol=1e-6, abs_tol=1e-9), (where, k)
+        for k, v in eager.sequences.items():
+            torch.testing.assert_close(r["sequences"][k], v, rtol=1e-6, atol=1e-9, msg=f"{where}: {k}")
