@@ -31,7 +31,9 @@ Columns: times (ms), ``ref/ours``, ``ref/comp``, ``ref/plugin``, ``ours/floor`` 
 floors), host synchronisations per call of ours, compiled and the plugin
 (:class:`slime_rc.testing.host_reads.HostReads`: device->host reads,
 data-dependent shapes, blocking copies; counted on one extra call outside the timed rounds; on a GPU each one drains
-the stream), and metric memory / input bytes (the bytes of the metric tensors over the three inputs').
+the stream; under the counter's dispatch mode the compiled passes run eagerly, so the compiled column counts the
+eager stand-in: each compiled pass is one graph without a break, ``tests/correction/test_compiled.py``), and metric
+memory / input bytes (the bytes of the metric tensors over the three inputs').
 
 Scaling sweep (62k .. 8M tokens, samples of 2k-4k tokens): ``ns/token`` of ours (and of the floor), which should stay
 flat, and peak memory per token.  Peak memory is measured as the process's resident set (RSS) high-water mark, in a
