@@ -31,12 +31,12 @@ import torch
 from slime_rc.config.schema import RolloutCorrectionConfig
 from slime_rc.correction.metrics import batch_totals, finish_metrics
 from slime_rc.correction.checks import DeferredChecks
+from slime_rc.correction.compiled import compiled_keep_and_weights, compiled_token_reductions, use_compiled
 from slime_rc.correction.packed import BAD_INPUT_SUMMARY, check_packed_inputs, describe_bad_input, \
     token_sequence_ids
 from slime_rc.correction.records import PackedBatch
 from slime_rc.correction.reducer import LocalReducer, as_reducer
 from slime_rc.correction.sequence_stats import sequence_statistics
-from slime_rc.correction.compiled import compiled_keep_and_weights, compiled_token_reductions, use_compiled
 from slime_rc.correction.reductions import token_reductions
 from slime_rc.correction.token_stats import NONFINITE_SUMMARY, describe_nonfinite
 from slime_rc.correction.weights import batch_normalize, sequence_decisions, token_weights

@@ -71,7 +71,10 @@ def segment_sums(columns: List[torch.Tensor], cu_seqlens: torch.Tensor, counts=(
 
     Exactness: float64 accumulation of the (at most float32) values either way (a float32 block sum is used for
     counts only), so permuting a sequence's tokens changes its sum by float64 roundings only; as with any prefix
-    sum, a sequence's sum carries a rounding of ~1e-16 of the running total before it.
+    sum, a sequence's sum carries a rounding of ~1e-16 of the running total before it.  ``signed``: the columns
+    whose values take both signs; while compiled (:func:`tracing`), when it is given, every other column's 64-token
+    blocks are summed in float32 (a float64 block reduction costs inductor's C++ code ~8x a float32 one): a
+    same-sign sum has no cancellation, so its relative error stays ~1e-7.
     """
     n, dev = columns[0].numel(), columns[0].device
     unique, slot = _distinct(columns)
@@ -125,7 +128,8 @@ def moments64(x: torch.Tensor, transform=None, square: bool = False):
     """``(sum, sum of squares or None)`` of ``transform(x)`` for ``[N]`` float32 values (or 0/1 flags: exact), each
     0-d float64: converted to float64 in pieces (:func:`_pieces`), once for both sums (a float32 square would
     round, a float64 one is exact).  ``transform`` (elementwise, float32 -> float32, such as ``abs`` or a clamp;
-    None: none) is applied piece by piece: the sum of ``|log r|`` needs no ``[N]`` buffer of its own."""
+    None: none) is applied piece by piece: the sum of ``|log r|`` needs no ``[N]`` buffer of its own.  Compiled
+    (:func:`tracing`): two float64 reductions, fused into the code that makes ``x``."""
     if tracing():  # compiled: two reductions fused with the code that makes x (no float64 buffer, no dot)
         d = (x if transform is None else transform(x)).double()  # squared in float64: exact, as eager
         return d.sum(), (d * d).sum() if square else None
@@ -156,10 +160,12 @@ def _blocked_segment_sums(columns: List[torch.Tensor], cu_seqlens: torch.Tensor,
     spans = last > first  # [B]: the sequence reaches past its first block
     position = torch.arange(_BLOCK, device=dev)
     at = (block_of[:, None] * _BLOCK + position).clamp_(max=n - 1).view(-1)  # [(B+1) * 64] token positions
-    def exact32(c):  # counts: exact in float32 (<= 64 per block); compiled, same-sign values too (see above)
+
+    def in_float32(c):  # counts: exact in float32 (<= 64 per block); compiled, same-sign values too (see above)
         return c.dtype == torch.bool or any(c is f for f in counts) or \
             (signed is not None and tracing() and not any(c is f for f in signed))
-    pieces = [_blocks_of_column(c, exact32(c), n, at) for c in columns]
+
+    pieces = [_blocks_of_column(c, in_float32(c), n, at) for c in columns]
     block_sums, ends = (torch.stack(p) for p in zip(*pieces))  # [k, n_blocks], [k, B+1, 64]
     # [B, 64]: the tokens of its first / last block that belong to each sequence (all < N)
     in_first = (position >= offset[:-1, None]) & ((position < offset[1:, None]) | spans[:, None])
@@ -175,13 +181,14 @@ def _blocked_segment_sums(columns: List[torch.Tensor], cu_seqlens: torch.Tensor,
     return before.index_select(1, inner) - before.index_select(1, first + 1) + partial
 
 
-def _blocks_of_column(column: torch.Tensor, count: bool, n: int, at: torch.Tensor):
+def _blocks_of_column(column: torch.Tensor, float32: bool, n: int, at: torch.Tensor):
     """``([n_blocks] block sums, [B+1, 64] the block of each boundary)`` of one column, where it lies: the whole
-    blocks as a ``[n // 64, 64]`` view, the last (partial) block on its own; ``at``: the token positions of the
-    boundaries' blocks, clamped into ``[0, N)`` (the clamped ones are never among the tokens summed)."""
+    blocks as a ``[n // 64, 64]`` view, the last (partial) block on its own, summed in float32 if ``float32`` else
+    in float64; ``at``: the token positions of the boundaries' blocks, clamped into ``[0, N)`` (the clamped ones are
+    never among the tokens summed)."""
     values = _as_values(column)
     whole = n // _BLOCK * _BLOCK
-    dtype = torch.float32 if count else torch.float64  # counts: exact in float32 (<= 64 per block)
+    dtype = torch.float32 if float32 else torch.float64
     at_boundaries = values.index_select(0, at).view(-1, _BLOCK)
     if tracing():  # compiled: the whole blocks as a view (a padded copy would load through a mask, ~3x slower)
         body = values[:whole].view(-1, _BLOCK).sum(1, dtype=dtype)

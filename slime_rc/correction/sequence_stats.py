@@ -41,8 +41,8 @@ def local_sequence_sums(batch: PackedBatch, tokens: TokenStats,
         is_weight=tokens.is_weight,
         k_sums=dict(tokens.k_sum_terms),
     )
-    local_sums = segment_sums(leaves(layout), batch.cu_seqlens, tokens.counts,  # [k, B], in field order
-                              signed=(tokens.log_ratio,))
+    # [k, B], in field order; S = sum log r is the one signed column (exponentiated at sequence level)
+    local_sums = segment_sums(leaves(layout), batch.cu_seqlens, tokens.counts, signed=(tokens.log_ratio,))
     maxes: Dict[str, torch.Tensor] = {}
     if tokens.k_max_terms:
         seq_of = batch.sequence_ids.long()  # scatter_reduce_ takes int64 indices: converted once for every column

@@ -16,7 +16,7 @@ from typing import Dict, List, Optional
 import torch
 
 from slime_rc.config.schema import RolloutCorrectionConfig
-from slime_rc.correction.packed import first_nonfinite
+from slime_rc.correction.packed import first_nonfinite, tracing
 from slime_rc.correction.records import PackedBatch, TokenStats
 from slime_rc.correction.weights import Comparisons, bounded_weight, outside_flag
 
@@ -44,7 +44,7 @@ def token_statistics(batch: PackedBatch, config: RolloutCorrectionConfig) -> Tok
     # valid = loss token with a finite log r (NaN or inf on either side makes it non-finite); as float32 0/1
     valid = lr.abs().lt_(math.inf).mul_(mask)  # in place: one [N] buffer
     # zeros keep every sum below finite and exact: non-finite values go to 0 first, then masked tokens
-    if torch.compiler.is_compiling():  # compiled: a select (inductor's nan_to_num tests NaN one value at a time)
+    if tracing():  # compiled: a select (inductor's nan_to_num tests NaN one value at a time)
         is_valid = valid > 0
         lr, rollout_v = torch.where(is_valid, lr, 0.0), torch.where(is_valid, rollout, 0.0)
     else:

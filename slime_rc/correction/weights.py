@@ -25,7 +25,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from slime_rc.config.schema import RolloutCorrectionConfig
-from slime_rc.correction.packed import moments64
+from slime_rc.correction.packed import moments64, tracing
 from slime_rc.correction.records import BatchTotals, PackedBatch, SequenceDecisions, SequenceStats, \
     TokenReductions, TokenWeights
 
@@ -50,7 +50,7 @@ class Comparisons:
         for s, c, b, flag in self._done:
             if s is stat and c is compare and b == bound:
                 return flag
-        if torch.compiler.is_compiling():  # compiled: no buffer (out= would make inductor write one)
+        if tracing():  # compiled: no buffer (out= would make inductor write one)
             flag = compare(stat, bound).to(stat.dtype)
         else:
             flag = compare(stat, bound, out=torch.empty_like(stat))
