@@ -211,6 +211,19 @@ def test_a_failing_compiler_warns_once_and_runs_eagerly(monkeypatch):
     _compare(eager, again, "fallback, second call")
 
 
+def test_dynamo_turned_off_is_said_once_and_runs_eagerly(monkeypatch):
+    monkeypatch.setattr(compiled, "_FAILED", {})
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
+    batch = _batch(BATCHES["micro"])
+    config = CONFIGS["token_truncate_rs_veto_norm"]
+    with pytest.warns(RuntimeWarning, match=r"TORCHDYNAMO_DISABLE=1 turns torch.compile off; running them eagerly"):
+        fast = compute_rollout_correction(*batch, config, compile_token_pass=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compute_rollout_correction(*batch, config, compile_token_pass=True)
+    _compare(compute_rollout_correction(*batch, config, compile_token_pass=False), fast, "dynamo off")
+
+
 def _cp_rank(rank, world, config, lengths):
     """Context parallelism over 2 gloo ranks, compiled: each rank holds alternate halves of every sequence."""
     import os

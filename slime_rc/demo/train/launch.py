@@ -328,7 +328,8 @@ def _worker(rank: int, world: int, init_method: str, args: argparse.Namespace, l
         try:
             from slime_rc.demo.model import quiet_megatron_fallback_warnings
             quiet_megatron_fallback_warnings()  # before megatron's first import (in run_training)
-            os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+            if os.environ.get("SLIME_RC_COMPILE", "").strip() != "1":  # (compiling the token passes needs dynamo)
+                os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
             if not torch.cuda.is_available():
                 torch.set_num_threads(1)
             backend = "nccl" if torch.cuda.is_available() else "gloo"
