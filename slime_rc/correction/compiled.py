@@ -63,9 +63,7 @@ def _reductions_of(config: RolloutCorrectionConfig) -> Callable:
 
 
 def _run(device: str, compiled: Callable, eager: Callable, *args):
-    # Under a TorchDispatchMode (an op counter such as slime_rc.testing.host_reads, a flop counter) eagerly: a
-    # compiled function called once under one runs at eager speed ever after (torch 2.13, measured: 8.7 -> 27 ms
-    # at 560k tokens), and the mode sees the ops it counts.
+    """``compiled(*args)``, or ``eager(*args)`` where the compiled form cannot or should not run (module docstring)."""
     if os.environ.get("TORCHDYNAMO_DISABLE", "").strip() == "1":  # torch.compile would be a silent no-op
         if "dynamo disabled" not in _FAILED:
             _FAILED["dynamo disabled"] = "TORCHDYNAMO_DISABLE=1"
@@ -73,6 +71,9 @@ def _run(device: str, compiled: Callable, eager: Callable, *args):
                           f"compile_token_pass=True) but TORCHDYNAMO_DISABLE=1 turns torch.compile off; running them "
                           f"eagerly (unset TORCHDYNAMO_DISABLE to compile them)", RuntimeWarning, stacklevel=3)
         return eager(*args)
+    # Under a TorchDispatchMode (an op counter such as slime_rc.testing.host_reads, a flop counter) eagerly: a
+    # compiled function called once under one runs at eager speed ever after (torch 2.13, measured: 8.7 -> 27 ms
+    # at 560k tokens), and the mode sees the ops it counts.
     if device not in _FAILED and _get_current_dispatch_mode() is None:
         try:
             return compiled(*args)
@@ -90,7 +91,7 @@ def compiled_token_reductions(batch: PackedBatch, config: RolloutCorrectionConfi
         if len(_REDUCTIONS) >= 16:
             _REDUCTIONS.clear()
         fn = _REDUCTIONS[config] = _reductions_of(config)
-    return _run(batch.device.type, lambda *a: fn(*a), lambda *a: token_reductions(PackedBatch(*a), config),
+    return _run(batch.device.type, fn, lambda *a: token_reductions(PackedBatch(*a), config),
                 batch.train, batch.rollout, batch.mask, batch.cu_seqlens, batch.lengths, batch.sequence_ids)
 
 

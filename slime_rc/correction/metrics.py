@@ -165,7 +165,7 @@ def batch_totals(batch: PackedBatch, reductions: TokenReductions, seqs: Sequence
     :class:`Extremes`.  Everything stays on the device: no host read.  The token columns were reduced before
     (``reductions``) and the kept weights summed in stage 4 (``kept``): no ``[N]`` tensor is read here.
     """
-    columns = reductions.totals
+    column_totals = reductions.totals
     local = with_leaves(seqs.local, _sum_columns(leaves(seqs.local), batch))  # this rank's token counts and sums
     n_invalid = batch.n_tokens - local.valid_tokens
     # kept tokens: those no token rule rejected, in sequences not dropped (exact float64 counts, no pass over N)
@@ -174,23 +174,23 @@ def batch_totals(batch: PackedBatch, reductions: TokenReductions, seqs: Sequence
     kept_tokens = (kept_per_seq * ~decisions.drop).sum() if batch.n_seqs else n_invalid * 0
     weight_totals, hist, (raw_max, raw_neg_min) = (None, None, (None, None))
     if config.is_enabled:
-        weight_totals, hist = _is_totals(columns, seqs, decisions, kept, config, n_invalid)
-        if columns.raw_extremes is not None:
-            raw_max, raw_neg_min = columns.raw_extremes.unbind()
+        weight_totals, hist = _is_totals(column_totals, seqs, decisions, kept, config, n_invalid)
+        if column_totals.raw_extremes is not None:
+            raw_max, raw_neg_min = column_totals.raw_extremes.unbind()
     rs_token_stats: Dict[str, RsTokenTotals] = {}
     for c in config.rs:
         if c.granularity == "token":  # the band sums with the statistic's sum, from this rank's sequence sums
-            band = columns.rs_bands[c.option]
+            band = column_totals.rs_bands[c.option]
             rs_token_stats[c.option] = RsTokenTotals(
                 local.log_ratio if c.statistic == "k1" else local.k_sums[c.option], band.band_sum,
                 band.band_sq_sum, band.above)
-    rs_token_extremes = {option: RsExtremes(*pair.unbind(), None) for option, pair in columns.rs_extremes.items()}
+    rs_token_extremes = {option: RsExtremes(*pair.unbind(), None) for option, pair in column_totals.rs_extremes.items()}
     token = TokenTotals(
         valid=local.valid_tokens, loss=local.valid_tokens + local.nonfinite_tokens, kept=kept_tokens,
-        log_ratio_sum=local.log_ratio, abs_log_ratio_sum=columns.abs_log_ratio_sum,
-        clamped_log_ratio_sum=columns.clamped_log_ratio_sum,
-        ratio_sum_all=columns.ratio_sum_all,
-        ratio_sq_sum_all=columns.ratio_sq_sum_all,
+        log_ratio_sum=local.log_ratio, abs_log_ratio_sum=column_totals.abs_log_ratio_sum,
+        clamped_log_ratio_sum=column_totals.clamped_log_ratio_sum,
+        ratio_sum_all=column_totals.ratio_sum_all,
+        ratio_sq_sum_all=column_totals.ratio_sq_sum_all,
         invalid=n_invalid, nonfinite=local.nonfinite_tokens,
         veto=local.veto_tokens,
         rs_criteria=dict(local.rs_token_rejections),
@@ -290,15 +290,15 @@ def _sum_columns(columns: List[torch.Tensor], batch: PackedBatch) -> List[torch.
     return list(torch.stack(columns).sum(1).unbind())
 
 
-def _is_totals(columns: TokenColumnTotals, seqs: SequenceStats, decisions: SequenceDecisions, kept: TokenWeights,
+def _is_totals(column_totals: TokenColumnTotals, seqs: SequenceStats, decisions: SequenceDecisions, kept: TokenWeights,
                config: RolloutCorrectionConfig, n_invalid: torch.Tensor):
     """IS on: the :class:`TokenWeightTotals` and the ``[num_bins]`` histogram of the raw log-ratio (token level: the
     token columns' histogram with the invalid tokens taken out of the centre bin, where their ``log r = 0`` put
     them; sequence/geometric level: the raw sequence log-ratio, counted once per valid token)."""
     bound, bins = config.safety_bound, config.quantile_bins_per_octave
     if config.is_level == "token":
-        raw_above, raw_below = columns.raw_above, columns.raw_below
-        hist = columns.histogram.clone()  # (the reductions' own: a caller may hold them)
+        raw_above, raw_below = column_totals.raw_above, column_totals.raw_below
+        hist = column_totals.histogram.clone()  # (the reductions' own: a caller may hold them)
         hist[hist.numel() // 2] -= n_invalid
     else:
         log_hi, log_lo = math.log(config.is_upper_bound), math.log(config.is_lower)
@@ -350,8 +350,8 @@ def _band(c) -> Tuple[float, float]:
 def _rs_token_totals(tokens: TokenStats, config: RolloutCorrectionConfig, valid_extremes: _ValidExtremes,
                      sums: _TokenSums):
     """Token-level RS criteria: option -> :class:`RsTokenTotals` without ``stat_sum`` (this rank's band sums
-    over valid tokens and the k1 count above the band), and option -> ``[2]`` (max of ``s_t``, max of ``-s_t``) over valid tokens
-    (-inf when there are none)."""
+    over valid tokens and the k1 count above the band), and option -> ``[2]`` (max of ``s_t``, max of ``-s_t``)
+    over valid tokens (-inf when there are none)."""
     bands: Dict[str, RsTokenTotals] = {}
     extremes: Dict[str, torch.Tensor] = {}
     valid = tokens.valid

@@ -201,7 +201,8 @@ def test_a_failing_compiler_warns_once_and_runs_eagerly(monkeypatch):
     monkeypatch.setattr(compiled, "_FAILED", {})
     config = CONFIGS["geometric_mask_mean_k3_token_k1_norm"]
     batch = _batch(BATCHES["micro"])
-    with pytest.warns(RuntimeWarning, match=r"torch.compile of the token passes failed on cpu \(RuntimeError: no C\+\+"):
+    failed = r"torch.compile of the token passes failed on cpu \(RuntimeError: no C\+\+"
+    with pytest.warns(RuntimeWarning, match=failed):
         fast = compute_rollout_correction(*batch, config, compile_token_pass=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once: the next call runs eagerly without a word
