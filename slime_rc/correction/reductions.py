@@ -22,6 +22,6 @@ from slime_rc.correction.token_stats import token_statistics
 def token_reductions(batch: PackedBatch, config: RolloutCorrectionConfig) -> TokenReductions:
     """Stage 1 and its reductions over this rank's tokens (see :class:`TokenReductions` for the fields)."""
     tokens = token_statistics(batch, config)
-    local, k_maxes = local_sequence_sums(batch, tokens, config)
+    local, k_maxes = local_sequence_sums(batch, tokens)
     return TokenReductions(local=local, k_maxes=k_maxes, totals=token_column_totals(tokens, config),
                            keep=tokens.keep, is_weight=tokens.is_weight)

@@ -22,8 +22,7 @@ from slime_rc.correction.records import PackedBatch, SequenceStats, SequenceSums
 from slime_rc.correction.reducer import LocalReducer
 
 
-def local_sequence_sums(batch: PackedBatch, tokens: TokenStats,
-                        config: RolloutCorrectionConfig) -> Tuple[SequenceSums, Dict[str, torch.Tensor]]:
+def local_sequence_sums(batch: PackedBatch, tokens: TokenStats) -> Tuple[SequenceSums, Dict[str, torch.Tensor]]:
     """This rank's per-sequence sums of its :class:`TokenStats` columns (:class:`SequenceSums`, ``[B]`` each) and
     option -> ``[B]`` maxima of the k2/k3 terms that a ``max`` criterion needs (part of stage 1's reductions)."""
     # the [N] columns, in SequenceSums field order; whether a column exists depends only on the config, so every
