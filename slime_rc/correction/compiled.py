@@ -5,13 +5,14 @@ Eager, each of stage 1's ~60 elementwise ops and reductions reads and writes ``[
 large batch); compiled, inductor fuses the token quantities into the reductions that consume them, so the inputs
 are read a few times and only the token keep flags and IS weights are written.  The same Python runs either way
 (the config's branches are resolved while tracing); a few helpers take a compiler-friendly form while tracing
-(``packed.tracing()``).  Numbers: the same as eager but for summation order, except that same-sign per-sequence
-sums (``sum log pi_rollout``, the token weights, counts, k2/k3) are summed in float32 within 64-token blocks (then in
-float64): a same-sign sum has no cancellation, so its relative error stays below 1e-6 (a few float32 roundings per
-block); the signed one (``sum log r``, exponentiated at sequence level) and every token total are float64.
+(``packed.tracing()``).  Numbers: the same as eager but for summation order, except that the per-sequence counts
+(exact either way) and ``sum log pi_rollout`` are summed in float32 within 64-token blocks, then in float64: a
+same-sign sum that no metric subtracts from another, so its relative error stays below 1e-6 (a few float32
+roundings per block).  ``sum log r``, the token weights' and k2/k3 sums (whose per-sequence means have standard
+deviations over sequences among the metrics) and every token total are float64, as eager.
 
-One compiled function per config for stage 1, one for stage 4 (dynamic shapes: any ``N`` and ``B`` reuse them, one
-graph per size class: up to 4,096 tokens and past it, where inductor's C++ reductions change form); if
+One compiled function per config for stage 1, one for stage 4 (dynamic shapes: any ``N`` and ``B`` reuse them);
+below :data:`MIN_TOKENS` (65,536) tokens a call runs eagerly (no gain there; an empty batch would not compile); if
 compiling fails (no C++ compiler, an unsupported backend) the engine warns once and runs eagerly; under an active
 ``TorchDispatchMode``, and with ``TORCHDYNAMO_DISABLE=1`` (torch.compile is then a no-op: a warning says so), it
 runs eagerly too.  Opt-in:
@@ -34,6 +35,11 @@ from slime_rc.correction.reductions import token_reductions
 from slime_rc.correction.weights import keep_and_weights
 
 ENV = "SLIME_RC_COMPILE"
+# Below this many tokens a call runs eagerly: there the O(B) part and the dispatch cost of ~300 ops are the call
+# (measured: no gain at 10k tokens), and every config then compiles one graph, for one size class (inductor's C++
+# reductions change form at 4096 elements; an empty batch would not compile at all).  The eager path's own switch
+# from its small-batch matrix to block sums is at the same size (packed.MATRIX_TOKENS).
+MIN_TOKENS = 1 << 16
 _REDUCTIONS: Dict[RolloutCorrectionConfig, Callable] = {}
 _KEEP_AND_WEIGHTS: Dict[str, Callable] = {}
 _FAILED: Dict[str, str] = {}  # device type (or "dynamo disabled") -> why the passes run eagerly, warned once
@@ -55,15 +61,17 @@ def _reductions_of(config: RolloutCorrectionConfig) -> Callable:
     def reductions(train, rollout, mask, cu_seqlens, lengths, sequence_ids):
         return token_reductions(PackedBatch(train, rollout, mask, cu_seqlens, lengths, sequence_ids), config)
     # a code object of its own for each config: dynamo keeps at most torch._dynamo.config.recompile_limit (8) graphs
-    # per code object and then runs it eagerly without a word; the configs' closures would share this one, each
-    # config compiling one graph per size class (inductor's C++ reductions change form past 4096 elements)
+    # per code object and then runs it eagerly without a word; the configs' closures would share this one (more than
+    # 8 configs in a process: the analysis tools, a test suite)
     code = reductions.__code__.replace(co_name=f"token_reductions_{len(_REDUCTIONS)}")
     own = types.FunctionType(code, reductions.__globals__, code.co_name, None, reductions.__closure__)
     return torch.compile(own, dynamic=True)
 
 
-def _run(device: str, compiled: Callable, eager: Callable, *args):
+def _run(device: str, n_tokens: int, compiled: Callable, eager: Callable, *args):
     """``compiled(*args)``, or ``eager(*args)`` where the compiled form cannot or should not run (module docstring)."""
+    if n_tokens < MIN_TOKENS:
+        return eager(*args)
     if os.environ.get("TORCHDYNAMO_DISABLE", "").strip() == "1":  # torch.compile would be a silent no-op
         if "dynamo disabled" not in _FAILED:
             _FAILED["dynamo disabled"] = "TORCHDYNAMO_DISABLE=1"
@@ -91,7 +99,7 @@ def compiled_token_reductions(batch: PackedBatch, config: RolloutCorrectionConfi
         if len(_REDUCTIONS) >= 16:
             _REDUCTIONS.clear()
         fn = _REDUCTIONS[config] = _reductions_of(config)
-    return _run(batch.device.type, fn, lambda *a: token_reductions(PackedBatch(*a), config),
+    return _run(batch.device.type, batch.n_tokens, fn, lambda *a: token_reductions(PackedBatch(*a), config),
                 batch.train, batch.rollout, batch.mask, batch.cu_seqlens, batch.lengths, batch.sequence_ids)
 
 
@@ -100,4 +108,4 @@ def compiled_keep_and_weights(*args):
     fn = _KEEP_AND_WEIGHTS.get("fn")
     if fn is None:
         fn = _KEEP_AND_WEIGHTS["fn"] = torch.compile(keep_and_weights, dynamic=True)
-    return _run(args[0].device.type, fn, keep_and_weights, *args)
+    return _run(args[0].device.type, args[0].numel(), fn, keep_and_weights, *args)

@@ -56,7 +56,7 @@ def segment_sum(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
 _BLOCK = 64
 
 
-def segment_sums(columns: List[torch.Tensor], cu_seqlens: torch.Tensor, counts=(), signed=None) -> torch.Tensor:
+def segment_sums(columns: List[torch.Tensor], cu_seqlens: torch.Tensor, counts=(), exact=None) -> torch.Tensor:
     """Per-sequence sums of several ``[N]`` columns at once: ``k x [N] -> [k, B]`` float64.
 
     Up to ``MATRIX_TOKENS`` tokens (a micro-batch: kernel launches are the cost), the columns are copied into one
@@ -71,10 +71,11 @@ def segment_sums(columns: List[torch.Tensor], cu_seqlens: torch.Tensor, counts=(
 
     Exactness: float64 accumulation of the (at most float32) values either way (a float32 block sum is used for
     counts only), so permuting a sequence's tokens changes its sum by float64 roundings only; as with any prefix
-    sum, a sequence's sum carries a rounding of ~1e-16 of the running total before it.  ``signed``: the columns
-    whose values take both signs; while compiled (:func:`tracing`), when it is given, every other column's 64-token
-    blocks are summed in float32 (a float64 block reduction costs inductor's C++ code ~8x a float32 one): a
-    same-sign sum has no cancellation, so its relative error stays below 1e-6.
+    sum, a sequence's sum carries a rounding of ~1e-16 of the running total before it.  ``exact``: the value
+    columns that stay float64 within the blocks while compiled (:func:`tracing`); when it is given, every other
+    value column's 64-token blocks are then summed in float32 (a float64 block reduction costs inductor's C++ code
+    ~8x a float32 one): for a same-sign column whose sums nothing subtracts from each other, a relative error below
+    1e-6.
     """
     n, dev = columns[0].numel(), columns[0].device
     unique, slot = _distinct(columns)
@@ -87,7 +88,7 @@ def segment_sums(columns: List[torch.Tensor], cu_seqlens: torch.Tensor, counts=(
         at = m.index_select(1, cu_seqlens)
         per_seq = at[:, 1:] - at[:, :-1]
     else:
-        per_seq = _blocked_segment_sums(unique, cu_seqlens, counts, signed)
+        per_seq = _blocked_segment_sums(unique, cu_seqlens, counts, exact)
     if len(unique) == len(columns):
         return per_seq
     rows = per_seq.unbind()
@@ -150,7 +151,7 @@ def _as_values(column: torch.Tensor) -> torch.Tensor:
     return column.view(torch.uint8) if column.dtype == torch.bool else column
 
 
-def _blocked_segment_sums(columns: List[torch.Tensor], cu_seqlens: torch.Tensor, counts, signed) -> torch.Tensor:
+def _blocked_segment_sums(columns: List[torch.Tensor], cu_seqlens: torch.Tensor, counts, exact) -> torch.Tensor:
     """:func:`segment_sums` past ``MATRIX_TOKENS``: ``k x [N] -> [k, B]`` float64 from block sums."""
     n, dev = columns[0].numel(), columns[0].device
     n_blocks = n // _BLOCK + 1  # the last block holds the N % 64 tokens past the whole blocks (maybe none)
@@ -161,9 +162,9 @@ def _blocked_segment_sums(columns: List[torch.Tensor], cu_seqlens: torch.Tensor,
     position = torch.arange(_BLOCK, device=dev)
     at = (block_of[:, None] * _BLOCK + position).clamp_(max=n - 1).view(-1)  # [(B+1) * 64] token positions
 
-    def in_float32(c):  # counts: exact in float32 (<= 64 per block); compiled, same-sign values too (see above)
+    def in_float32(c):  # counts: exact in float32 (<= 64 per block); compiled, the values not `exact` too
         return c.dtype == torch.bool or any(c is f for f in counts) or \
-            (signed is not None and tracing() and not any(c is f for f in signed))
+            (exact is not None and tracing() and not any(c is f for f in exact))
 
     pieces = [_blocks_of_column(c, in_float32(c), n, at) for c in columns]
     block_sums, ends = (torch.stack(p) for p in zip(*pieces))  # [k, n_blocks], [k, B+1, 64]

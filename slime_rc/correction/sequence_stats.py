@@ -40,8 +40,11 @@ def local_sequence_sums(batch: PackedBatch, tokens: TokenStats) -> Tuple[Sequenc
         is_weight=tokens.is_weight,
         k_sums=dict(tokens.k_sum_terms),
     )
-    # [k, B], in field order; S = sum log r is the one signed column (exponentiated at sequence level)
-    local_sums = segment_sums(leaves(layout), batch.cu_seqlens, tokens.counts, signed=(tokens.log_ratio,))
+    # [k, B], in field order.  Compiled, only sum log pi_rollout is summed in float32 blocks (see segment_sums):
+    # S = sum log r is signed (and exponentiated at sequence level), and the per-sequence means of the token weights
+    # and of k2/k3 have metrics that are standard deviations over sequences, which cancel what the sums share
+    exact = (tokens.log_ratio,) + tuple(t for t in (tokens.is_weight, *tokens.k_sum_terms.values()) if t is not None)
+    local_sums = segment_sums(leaves(layout), batch.cu_seqlens, tokens.counts, exact=exact)
     maxes: Dict[str, torch.Tensor] = {}
     if tokens.k_max_terms:
         seq_of = batch.sequence_ids.long()  # scatter_reduce_ takes int64 indices: converted once for every column
