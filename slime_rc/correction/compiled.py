@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import types
 import warnings
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Set
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
@@ -42,7 +42,8 @@ ENV = "SLIME_RC_COMPILE"
 MIN_TOKENS = 1 << 16
 _REDUCTIONS: Dict[RolloutCorrectionConfig, Callable] = {}
 _KEEP_AND_WEIGHTS: Dict[str, Callable] = {}
-_FAILED: Dict[str, str] = {}  # device type (or "dynamo disabled") -> why the passes run eagerly, warned once
+_FAILED: Dict[str, str] = {}  # device type -> why compiling failed there (warned once; eager there since)
+_SAID: Set[str] = set()  # the other reasons to run eagerly that were warned about (once each)
 
 
 def use_compiled(requested: Optional[bool]) -> bool:
@@ -73,8 +74,8 @@ def _run(device: str, n_tokens: int, compiled: Callable, eager: Callable, *args)
     if n_tokens < MIN_TOKENS:
         return eager(*args)
     if os.environ.get("TORCHDYNAMO_DISABLE", "").strip() == "1":  # torch.compile would be a silent no-op
-        if "dynamo disabled" not in _FAILED:
-            _FAILED["dynamo disabled"] = "TORCHDYNAMO_DISABLE=1"
+        if "TORCHDYNAMO_DISABLE" not in _SAID:
+            _SAID.add("TORCHDYNAMO_DISABLE")
             warnings.warn(f"rollout correction: the token passes were asked to compile ({ENV}=1 or "
                           f"compile_token_pass=True) but TORCHDYNAMO_DISABLE=1 turns torch.compile off; running them "
                           f"eagerly (unset TORCHDYNAMO_DISABLE to compile them)", RuntimeWarning, stacklevel=3)

@@ -233,7 +233,7 @@ def test_a_failing_compiler_warns_once_and_runs_eagerly(monkeypatch):
 
 
 def test_dynamo_turned_off_is_said_once_and_runs_eagerly(monkeypatch):
-    monkeypatch.setattr(compiled, "_FAILED", {})
+    monkeypatch.setattr(compiled, "_SAID", set())
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
     batch = _batch(BATCHES[LARGE])
     config = CONFIGS["token_truncate_rs_veto_norm"]
