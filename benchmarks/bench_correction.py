@@ -8,8 +8,8 @@ Contenders, timed interleaved (one call of each per round, median over rounds, s
 them alike; ratios are taken within one run):
 
 * ``ours``: :func:`slime_rc.compute_rollout_correction` on the packed batch (native API), eager;
-* ``compiled``: the same with ``compile_token_pass=True`` (``slime_rc.correction.compiled``: its two passes over the
-  tokens through ``torch.compile``; compiled in the warm-up call, once per config: dynamic shapes serve every batch);
+* ``compiled``: the same with ``compiled=True`` (``slime_rc.correction.compiled``: the engine's stages through
+  ``torch.compile``, one graph; compiled in the warm-up call, once per config: dynamic shapes serve every batch);
 * ``plugin``: ``custom_tis.mis.compute_mis_weights_with_cp``, the function slime's loss calls through
   ``--custom-tis-function-path`` (slime's contract: per-sample log-prob lists, full-length ``torch.int`` loss masks,
   ``pg_loss`` in; the weighted ``pg_loss``, full-length masks and per-token metrics out; slime's ``mis.yaml`` keys on
@@ -31,8 +31,8 @@ Columns: times (ms), ``ref/ours``, ``ref/comp``, ``ref/plugin``, ``ours/floor`` 
 floors), host synchronisations per call of ours, compiled and the plugin
 (:class:`slime_rc.testing.host_reads.HostReads`: device->host reads,
 data-dependent shapes, blocking copies; counted on one extra call outside the timed rounds; on a GPU each one drains
-the stream; under the counter's dispatch mode the compiled passes run eagerly, so the compiled column counts the
-eager stand-in: each compiled pass is one graph without a break, ``tests/correction/test_compiled.py``), and metric
+the stream; under the counter's dispatch mode the compiled engine runs eagerly, so the compiled column counts the
+eager stand-in: the compiled engine is one graph without a break, ``tests/correction/test_compiled.py``), and metric
 memory / input bytes (the bytes of the metric tensors over the three inputs').
 
 Scaling sweep (62k .. 8M tokens, samples of 2k-4k tokens): ``ns/token`` of ours (and of the floor), which should stay
@@ -586,9 +586,9 @@ def contenders(lengths: List[int]):
         return compute_mis_weights_with_cp(SLIME_ARGS, pg_loss=pg_loss, train_log_probs=lists[0],
                                            rollout_log_probs=lists[1], loss_masks=int_masks, total_lengths=lengths,
                                            response_lengths=lengths)
-    return {"ours": lambda: rc.compute_rollout_correction(train, rollout, mask, cu, CONFIG, compile_token_pass=False),
+    return {"ours": lambda: rc.compute_rollout_correction(train, rollout, mask, cu, CONFIG, compiled=False),
             "compiled": lambda: rc.compute_rollout_correction(train, rollout, mask, cu, CONFIG,
-                                                              compile_token_pass=True),
+                                                              compiled=True),
             "plugin": plugin,
             "ref": lambda: loop_reference(*lists, CONFIG),
             "floor": lambda: (train - rollout).sum()}, (train, rollout, mask), lists

@@ -1,8 +1,9 @@
 """The rollout-correction engine: IS weights, rejection (keep) mask and mismatch metrics for packed sequences.
 
 :func:`compute_rollout_correction` runs five stages over ``N`` tokens of ``B`` sequences on this rank
-(``r = pi_train / pi_rollout``), each a function whose output is a typed record (``records.py``), after the ranks
-agree on the settings and their sequence counts (``reducer.agree``, a host-side exchange; ``agreement.py``):
+(``r = pi_train / pi_rollout``; ``stages.py``, eagerly or compiled: ``compiled.py``), each a function whose output
+is a typed record (``records.py``), after the ranks agree on the settings and their sequence counts
+(``reducer.agree``, a host-side exchange; ``agreement.py``):
 
 1. per token (``token_stats.py``): ``log r`` (fp32), validity (loss token with finite log-probs), token-level
    rejections (token RS criteria, token IS mask mode, veto flags), bounded token weights -> ``TokenStats``; reduced
@@ -29,17 +30,12 @@ from typing import Dict, Optional
 import torch
 
 from slime_rc.config.schema import RolloutCorrectionConfig
-from slime_rc.correction.metrics import batch_totals, finish_metrics
 from slime_rc.correction.checks import DeferredChecks
-from slime_rc.correction.compiled import compiled_keep_and_weights, compiled_token_reductions, use_compiled
-from slime_rc.correction.packed import BAD_INPUT_SUMMARY, check_packed_inputs, describe_bad_input, \
-    token_sequence_ids
-from slime_rc.correction.records import PackedBatch
+from slime_rc.correction.compiled import compiled_stages, use_compiled
+from slime_rc.correction.packed import BAD_INPUT_SUMMARY, check_packed_metadata, describe_bad_input
 from slime_rc.correction.reducer import LocalReducer, as_reducer
-from slime_rc.correction.sequence_stats import sequence_statistics
-from slime_rc.correction.reductions import token_reductions
+from slime_rc.correction.stages import correction_stages, packed_batch
 from slime_rc.correction.token_stats import NONFINITE_SUMMARY, describe_nonfinite
-from slime_rc.correction.weights import batch_normalize, sequence_decisions, token_weights
 
 
 @dataclass
@@ -74,7 +70,7 @@ def compute_rollout_correction(
     *,
     reducer: Optional[LocalReducer] = None,
     checks: Optional[DeferredChecks] = None,
-    compile_token_pass: Optional[bool] = None,
+    compiled: Optional[bool] = None,
 ) -> CorrectionResult:
     """IS weights, keep mask and metrics for packed sequences.
 
@@ -90,9 +86,9 @@ def compute_rollout_correction(
             values and, with ``on_nonfinite='error'``, non-finite log-probs on loss tokens.  None: the engine reads
             them itself, once, at the end (no read with ``on_nonfinite='reject'``).  A caller that checks more
             (a policy loss) passes its own and calls ``raise_if_any()`` once for all of them.
-        compile_token_pass: run the two passes over the tokens (stage 1 reduced, stage 4) through
-            ``torch.compile`` (``compiled.py``; the first call of a config compiles, ~10-40 s on a CPU).  None
-            (default): as the environment variable ``SLIME_RC_COMPILE`` says (``1`` on; unset or ``0`` off).
+        compiled: run stages 1-5 through ``torch.compile`` (``compiled.py``; the first call of a config compiles,
+            ~10-60 s on a CPU).  None (default): as the environment variable ``SLIME_RC_COMPILE`` says (``1`` on;
+            unset or ``0`` off).
 
     Host reads: none, but that one deferred check; every tensor is created on the inputs' device.
     """
@@ -100,44 +96,26 @@ def compute_rollout_correction(
         raise ValueError(f"config must be a RolloutCorrectionConfig, got {type(config).__name__}; "
                          f"build one with RolloutCorrectionConfig(...) or RolloutCorrectionConfig.from_dict(d)")
     reducer = as_reducer(reducer)
-    train, rollout, mask, cu, malformed = check_packed_inputs(train_log_probs, rollout_log_probs, loss_mask, cu_seqlens)
-    batch = PackedBatch(train, rollout, mask, cu, lengths=cu[1:] - cu[:-1],
-                        sequence_ids=token_sequence_ids(cu, train.numel()))  # cu is well formed (clamped)
-
-    reducer.agree("compute_rollout_correction", config, batch.n_seqs)          # 0. ranks agree (host-side)
-    compiled = use_compiled(compile_token_pass)
-    tokens = (compiled_token_reductions if compiled else token_reductions)(batch, config)  # 1. per token, reduced
-    seqs = sequence_statistics(batch, tokens, config, reducer)                  # 2. per sequence (collective 1)
-    decisions = sequence_decisions(seqs, config)                                # 3. sequence decisions
-    kept = token_weights(batch, tokens, decisions,                              # 4. keep mask and weights
-                         combine=compiled_keep_and_weights if compiled else None)
-    totals = batch_totals(batch, tokens, seqs, decisions, kept, config, reducer, malformed.double())  # (collective 2)
+    cu_seqlens = check_packed_metadata(train_log_probs, rollout_log_probs, loss_mask, cu_seqlens)
+    reducer.agree("compute_rollout_correction", config, cu_seqlens.numel() - 1)  # 0. ranks agree (host-side)
+    if use_compiled(compiled):
+        out = compiled_stages(config, train_log_probs, rollout_log_probs, loss_mask, cu_seqlens, reducer)
+    else:
+        out = correction_stages(train_log_probs, rollout_log_probs, loss_mask, cu_seqlens, config, reducer)
     # deferred checks on global counts (after collective 2): every rank of the batch group raises together
     own = checks is None
     checks = DeferredChecks(read=config.on_nonfinite == "error") if own else checks
-    checks.add(totals.value(totals.tokens.malformed), BAD_INPUT_SUMMARY,
-               lambda: describe_bad_input(loss_mask, cu_seqlens, train.numel()))
-    if config.on_nonfinite == "error":
-        checks.add(totals.value(totals.tokens.nonfinite), NONFINITE_SUMMARY,
-                   lambda: describe_nonfinite(batch, decisions.nonfinite))
+    checks.add(out.malformed, BAD_INPUT_SUMMARY,
+               lambda: describe_bad_input(loss_mask, cu_seqlens, train_log_probs.numel()))
+    if out.nonfinite is not None:
+        checks.add(out.nonfinite, NONFINITE_SUMMARY, lambda: describe_nonfinite(
+            packed_batch(train_log_probs, rollout_log_probs, loss_mask, cu_seqlens)[0], out.nonfinite_sequences))
     if own:
         checks.raise_if_any()
-    weights, norm = batch_normalize(kept, totals, config)                       # 5. batch normalization
-    names, values = finish_metrics(totals, config, norm)                        # 5. metrics
-
-    sequences = {
-        "valid_tokens": seqs.sums.valid_tokens,
-        "log_ratio_sum": seqs.sums.log_ratio,
-        "train_log_prob_mean": seqs.train_log_prob_mean,
-        "rollout_log_prob_mean": seqs.rollout_log_prob_mean,
-        "kept": decisions.kept.double(),
-    }
-    if config.is_enabled:
-        w = decisions.sequence_weight
-        sequences["is_weight"] = w if norm is None else w / norm
     return CorrectionResult(
-        is_weights=None if weights is None else weights.detach(),
-        keep_mask=kept.keep,
-        metrics=dict(zip(names, values.unbind())),  # views of one vector: a caller reads them in one copy
-        sequences=sequences,
+        is_weights=out.is_weights,
+        keep_mask=out.keep_mask,
+        metrics=dict(zip(out.metric_names, out.metric_values.unbind())),  # views of one vector: read in one copy
+        sequences=out.sequences,
     )
+

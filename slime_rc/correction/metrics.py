@@ -444,13 +444,18 @@ _PPL_BOUNDS: Dict[tuple, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 def _ppl_bounds(bound: float, device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``[4, 1]`` float64 clamp bounds and scales of the exponentiated perplexity terms (-m_t, -m_r: at most
     ``_PPL_EXP_MAX``; d and S: +-``bound``; S is doubled after the clamp), uploaded once per bound and device."""
+    if packed.tracing():  # built into the graph (see _plan)
+        return tuple(upload(v, torch.float64, device).view(4, 1) for v in _ppl_bound_rows(bound))
     key = (bound, str(device))
     if key not in _PPL_BOUNDS:
         if len(_PPL_BOUNDS) >= 64:
             _PPL_BOUNDS.clear()
-        _PPL_BOUNDS[key] = tuple(upload(v, torch.float64, device).view(4, 1) for v in (
-            [-math.inf, -math.inf, -bound, -bound], [_PPL_EXP_MAX, _PPL_EXP_MAX, bound, bound], [1.0, 1.0, 1.0, 2.0]))
+        _PPL_BOUNDS[key] = tuple(upload(v, torch.float64, device).view(4, 1) for v in _ppl_bound_rows(bound))
     return _PPL_BOUNDS[key]
+
+
+def _ppl_bound_rows(bound: float):
+    return [-math.inf, -math.inf, -bound, -bound], [_PPL_EXP_MAX, _PPL_EXP_MAX, bound, bound], [1.0, 1.0, 1.0, 2.0]
 
 
 def _rs_sequence_terms(seqs: SequenceStats, decisions: SequenceDecisions, config: RolloutCorrectionConfig):
@@ -507,8 +512,11 @@ def _reduce(token: TokenTotals, hist: Optional[torch.Tensor], terms: SequenceTot
     parts = [head, seq_sums] + ([hist] if hist is not None else [])  # the histogram last: sums[:k] are the scalars
     sums, maxes = reducer.reduce_totals(torch.cat(parts), _pack(leaves(extremes), dev))  # the last collective
     k = head.numel() + seq_sums.numel()
-    positions = _POSITIONS.get(config)  # which leaves exist depends on the config only
-    if positions is None:
+    # which leaves exist depends on the config only; compiled, worked out while tracing (see _plan)
+    positions = None if packed.tracing() else _POSITIONS.get(config)
+    if positions is None and packed.tracing():
+        positions = (_positions(token), _positions(terms, head.numel()), _positions(extremes))
+    elif positions is None:
         if len(_POSITIONS) >= 256:
             _POSITIONS.clear()
         positions = _POSITIONS[config] = (_positions(token), _positions(terms, head.numel()), _positions(extremes))
@@ -661,6 +669,8 @@ _PLANS: Dict[tuple, _MetricPlan] = {}
 
 def _plan(t: BatchTotals, config: RolloutCorrectionConfig) -> _MetricPlan:
     """The cached plan of ``config`` on this device (positions depend on the config only)."""
+    if packed.tracing():  # built into the graph: a lookup in this process-wide cache would guard on its contents
+        return _MetricPlan(t, config, t.sums.device)
     key = (config, t.sums.device, t.sums.numel(), t.maxes.numel())
     plan = _PLANS.get(key)
     if plan is None:

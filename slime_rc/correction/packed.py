@@ -243,16 +243,10 @@ def sequence_of_token(token_index: int, cu_seqlens: torch.Tensor) -> int:
                                   right=True)[0]) - 1
 
 
-def check_packed_inputs(train_log_probs, rollout_log_probs, loss_mask, cu_seqlens):
-    """Validate shapes/dtypes and return ``(train fp32, rollout fp32, mask fp32 0/1, cu int64, bad_input)``.
-
-    What the metadata shows (types, shapes, dtypes, devices) raises ``ValueError`` here, naming the argument, what
-    it holds and what it should hold.  What only the values show -- ``cu_seqlens`` not starting at 0, not ending
-    at N, decreasing; a float loss mask with values other than 0 and 1 -- costs no host read: ``bad_input`` (0-d
-    float64, non-zero when malformed) goes to the caller (the engine sums it over ranks, so that every rank raises
-    together, and adds it to its deferred checks), and the returned ``cu`` is clamped into ``[0, N]`` and made
-    non-decreasing so that nothing downstream indexes out of bounds before the check fires.
-    """
+def check_packed_metadata(train_log_probs, rollout_log_probs, loss_mask, cu_seqlens) -> torch.Tensor:
+    """What the metadata shows (types, shapes, dtypes, devices) raises ``ValueError`` here, naming the argument, what
+    it holds and what it should hold; returns ``cu_seqlens`` as a tensor (a list of ints is uploaded).  No host read:
+    the values are :func:`packed_inputs`' to check."""
     for name, t in (("train_log_probs", train_log_probs), ("rollout_log_probs", rollout_log_probs)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor of shape [N], got {type(t).__name__}")
@@ -286,6 +280,21 @@ def check_packed_inputs(train_log_probs, rollout_log_probs, loss_mask, cu_seqlen
     if cu_seqlens.numel() == 1 and n:
         raise ValueError(f"cu_seqlens has 1 entry (no sequence) but the log-probs hold {n} tokens; cu_seqlens must "
                          f"be [B+1] boundaries from 0 to {n}")
+    return cu_seqlens
+
+
+def packed_inputs(train_log_probs, rollout_log_probs, loss_mask, cu_seqlens: torch.Tensor):
+    """``(train fp32, rollout fp32, mask fp32 0/1, cu int64, bad_input)`` from inputs whose metadata
+    :func:`check_packed_metadata` has checked; tensor operations only (the engine's compiled form traces it).
+
+    What only the values show -- ``cu_seqlens`` not starting at 0, not ending at N, decreasing; a float loss mask
+    with values other than 0 and 1 -- costs no host read: ``bad_input`` (0-d bool, set when malformed) goes to the
+    caller (the engine sums it over ranks, so that every rank raises together, and adds it to its deferred checks),
+    and the returned ``cu`` is clamped into ``[0, N]`` and made non-decreasing so that nothing downstream indexes out
+    of bounds before the check fires.
+    """
+    n = train_log_probs.numel()
+    device = train_log_probs.device
     given = cu_seqlens.to(device=device, dtype=torch.int64, non_blocking=True)
     # cu made safe to index with: clamped into [0, N], non-decreasing, from 0 to N.  It differs from the given
     # cu_seqlens exactly when those are malformed, which is the deferred check (no host read here).

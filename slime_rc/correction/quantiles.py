@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from slime_rc.correction.packed import upload
+from slime_rc.correction.packed import tracing, upload
 
 MIN_EXPONENT = -24
 QUANTILES = (0.25, 0.50, 0.75, 0.95, 0.99)
@@ -83,7 +83,9 @@ def quantiles_from_histogram(counts: torch.Tensor, bins_per_octave: int, bound: 
     read: the empty case is a ``where``."""
     total = counts.sum()
     cum = counts.cumsum(0)
-    ranks = torch.ceil(_levels(tuple(qs), counts.device) * total).clamp(min=1)
+    # compiled (slime_rc.correction.compiled), built into the graph: dynamo would trace past the caches anyway
+    levels, centres = (_levels.__wrapped__, bin_centres.__wrapped__) if tracing() else (_levels, bin_centres)
+    ranks = torch.ceil(levels(tuple(qs), counts.device) * total).clamp(min=1)
     pos = torch.searchsorted(cum, ranks - 0.5)  # first bin whose cumulative count reaches the rank
-    values = bin_centres(bins_per_octave, float(bound), counts.device)[pos.clamp(max=counts.numel() - 1)]
+    values = centres(bins_per_octave, float(bound), counts.device)[pos.clamp(max=counts.numel() - 1)]
     return torch.where(total > 0, values, 0.0)

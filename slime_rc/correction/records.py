@@ -97,7 +97,7 @@ def with_leaves(record: Any, values: Iterable[Any]) -> Any:
 # ---- inputs ----------------------------------------------------------------------------------------------------
 @dataclass
 class PackedBatch:
-    """The validated inputs of one call (``slime_rc.correction.packed.check_packed_inputs``).
+    """The validated inputs of one call (``slime_rc.correction.packed.packed_inputs``).
 
     ``train`` / ``rollout``: ``[N]`` float32 log pi_train / log pi_rollout.  ``mask``: ``[N]`` float32 0/1 loss
     mask.

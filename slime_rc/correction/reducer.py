@@ -101,6 +101,7 @@ class DistributedReducer(LocalReducer):
         if message is not None:
             raise ValueError(message)
 
+    @torch.compiler.disable  # the compiled engine (compiled.py) breaks its graph here: collectives run eagerly
     def combine_sequences(self, sums, maxes):
         if self.sequence_world == 1:
             return sums, maxes
@@ -112,6 +113,7 @@ class DistributedReducer(LocalReducer):
         stacked = torch.stack(gathered)  # [world, B, k + m], same order on every rank
         return stacked[:, :, :k].sum(0), stacked[:, :, k:].amax(0) if maxes.shape[1] else maxes
 
+    @torch.compiler.disable
     def reduce_totals(self, sums, maxes):
         if self.batch_world == 1:
             return sums, maxes
@@ -123,6 +125,7 @@ class DistributedReducer(LocalReducer):
         self.num_collectives += 1
         return packed[:n], packed[n:].view(self.batch_world, m).amax(0) if m else maxes
 
+    @torch.compiler.disable
     def sum_totals(self, totals):
         if self.batch_world == 1:
             return totals

@@ -139,12 +139,10 @@ def sequence_decisions(seqs: SequenceStats, config: RolloutCorrectionConfig) -> 
 
 
 # ---- 4. per-token keep mask and weights ----------------------------------------------------------------------------
-def token_weights(batch: PackedBatch, tokens: TokenReductions, decisions: SequenceDecisions,
-                  combine=None) -> TokenWeights:
+def token_weights(batch: PackedBatch, tokens: TokenReductions, decisions: SequenceDecisions) -> TokenWeights:
     """Stage 4: ``keep = token keep x sequence not dropped`` and ``weights = w * keep`` (``[N]`` float32), with the
-    sums of the kept weights and of their squares (see :func:`keep_and_weights`; ``combine``: it, or its compiled
-    form, ``compiled.compiled_keep_and_weights``; None: it)."""
-    keep, weights, kept_sum, kept_sq_sum = (combine or keep_and_weights)(
+    sums of the kept weights and of their squares (see :func:`keep_and_weights`)."""
+    keep, weights, kept_sum, kept_sq_sum = keep_and_weights(
         batch.sequence_ids, (~decisions.drop).float(), tokens.keep, tokens.is_weight,
         None if decisions.is_weight is None else decisions.is_weight.float())
     return TokenWeights(keep=keep, weights=weights, kept_sum=kept_sum, kept_sq_sum=kept_sq_sum)

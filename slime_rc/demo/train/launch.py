@@ -328,7 +328,7 @@ def _worker(rank: int, world: int, init_method: str, args: argparse.Namespace, l
         try:
             from slime_rc.demo.model import quiet_megatron_fallback_warnings
             quiet_megatron_fallback_warnings()  # before megatron's first import (in run_training)
-            if os.environ.get("SLIME_RC_COMPILE", "").strip() != "1":  # (compiling the token passes needs dynamo)
+            if os.environ.get("SLIME_RC_COMPILE", "").strip() != "1":  # (the compiled engine needs dynamo)
                 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
             if not torch.cuda.is_available():
                 torch.set_num_threads(1)
