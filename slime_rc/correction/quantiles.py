@@ -44,7 +44,10 @@ def bin_index(x: torch.Tensor, bins_per_octave: int, bound: float) -> torch.Tens
     # negative values (their sign bit set, -0.0 too: its k is 0) go below the centre bin: s = -1 there, 0 elsewhere,
     # and (k ^ s) - s is -k where s = -1 (two's complement), k elsewhere -- integer arithmetic, no float round trip
     s = x.view(torch.int32) >> 31
-    return k.bitwise_xor_(s).sub_(s).add_(_half_bins(bins_per_octave, bound))
+    half = _half_bins(bins_per_octave, bound)
+    # clamped into the grid: NaN (its bits above every bound's) would index past it; the compiled engine's gathers
+    # and scatters are not bounds-checked (compiled.py)
+    return k.bitwise_xor_(s).sub_(s).add_(half).clamp_(0, 2 * half)
 
 
 def histogram(x: torch.Tensor, bins_per_octave: int, bound: float, weights=None) -> torch.Tensor:
