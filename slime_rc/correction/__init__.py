@@ -1,4 +1,5 @@
-"""The correction engine over packed tensors: :func:`compute_rollout_correction` (stages in ``engine.py``)."""
+"""The correction engine over packed tensors: :func:`compute_rollout_correction` (``engine.py``; its stages in
+``stages.py``)."""
 
 from slime_rc.correction.engine import CorrectionResult, compute_rollout_correction
 

@@ -71,7 +71,7 @@ def _stages_of(config: RolloutCorrectionConfig) -> Callable:
     # at 560k tokens): every index is in range by construction -- sequence ids from the clamped, non-decreasing
     # cu_seqlens (packed.packed_inputs), histogram bins clamped into the grid (quantiles.bin_index), quantile
     # positions clamped, the metric plan's positions -- and the tests compare every gather with the eager engine's.
-    return torch.compile(own, dynamic=True, options={
+    return torch.compile(own, dynamic=None, options={
         "guard_filter_fn": torch.compiler.skip_guard_on_globals_unsafe, "assert_indirect_indexing": False})
 
 
@@ -107,7 +107,13 @@ def compiled_stages(config: RolloutCorrectionConfig, train: torch.Tensor, rollou
                 _STAGES.clear()
             fn = _STAGES[config] = _stages_of(config)
         try:
-            return fn(train, rollout, mask, cu_seqlens, reducer)
+            # the token and sequence counts dynamic, nothing else: with dynamic=True torch 2.15 also made the config's
+            # ints symbolic (the histogram's bins per octave), and inductor then failed on the histogram's size
+            # (on views: the caller's tensors keep no mark)
+            inputs = [t.detach() for t in (train, rollout, mask, cu_seqlens)]
+            for t in inputs:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+            return fn(*inputs, reducer)
         # a compiler's failure only: an error of the computation itself (a collective's) propagates, rather than
         # run the collectives a second time eagerly
         except torch._dynamo.exc.TorchDynamoException as exc:

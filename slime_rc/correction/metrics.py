@@ -512,14 +512,14 @@ def _reduce(token: TokenTotals, hist: Optional[torch.Tensor], terms: SequenceTot
     parts = [head, seq_sums] + ([hist] if hist is not None else [])  # the histogram last: sums[:k] are the scalars
     sums, maxes = reducer.reduce_totals(torch.cat(parts), _pack(leaves(extremes), dev))  # the last collective
     k = head.numel() + seq_sums.numel()
-    # which leaves exist depends on the config only; compiled, worked out while tracing (see _plan)
+    # which leaves exist depends on the config only: cached per config, but worked out while tracing (see _plan)
     positions = None if packed.tracing() else _POSITIONS.get(config)
-    if positions is None and packed.tracing():
+    if positions is None:
         positions = (_positions(token), _positions(terms, head.numel()), _positions(extremes))
-    elif positions is None:
-        if len(_POSITIONS) >= 256:
-            _POSITIONS.clear()
-        positions = _POSITIONS[config] = (_positions(token), _positions(terms, head.numel()), _positions(extremes))
+        if not packed.tracing():
+            if len(_POSITIONS) >= 256:
+                _POSITIONS.clear()
+            _POSITIONS[config] = positions
     return BatchTotals(*positions, sums=sums[:k], maxes=maxes, histogram=sums[k:] if hist is not None else None)
 
 
