@@ -71,8 +71,11 @@ def _stages_of(config: RolloutCorrectionConfig) -> Callable:
     # at 560k tokens): every index is in range by construction -- sequence ids from the clamped, non-decreasing
     # cu_seqlens (packed.packed_inputs), histogram bins clamped into the grid (quantiles.bin_index), quantile
     # positions clamped, the metric plan's positions -- and the tests compare every gather with the eager engine's.
-    return torch.compile(own, dynamic=None, options={
-        "guard_filter_fn": torch.compiler.skip_guard_on_globals_unsafe, "assert_indirect_indexing": False})
+    options = {"assert_indirect_indexing": False}
+    skip_globals = getattr(torch.compiler, "skip_guard_on_globals_unsafe", None)  # (not in every torch >= 2.11)
+    if skip_globals is not None:
+        options["guard_filter_fn"] = skip_globals
+    return torch.compile(own, dynamic=None, options=options)
 
 
 def _eager_reason(device: str, n_tokens: int) -> Optional[str]:
