@@ -47,9 +47,9 @@ def packed_batch(train_log_probs, rollout_log_probs, loss_mask, cu_seqlens) -> T
 def correction_stages(train_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, loss_mask: torch.Tensor,
                       cu_seqlens: torch.Tensor, config: RolloutCorrectionConfig,
                       reducer: LocalReducer) -> StageOutputs:
-    """Stages 1-5 (``engine.py``'s docstring) on inputs whose metadata ``packed.check_packed_metadata`` has checked, after the
-    ranks agreed; tensor operations and the reducer's two collectives only, no host read (``compiled.py`` traces
-    it whole)."""
+    """Stages 1-5 (``engine.py``'s docstring) on inputs whose metadata ``packed.check_packed_metadata`` has
+    checked, after the ranks agreed; tensor operations and the reducer's two collectives only, no host read
+    (``compiled.py`` traces it whole)."""
     batch, malformed = packed_batch(train_log_probs, rollout_log_probs, loss_mask, cu_seqlens)
     tokens = token_reductions(batch, config)                                    # 1. per token, reduced
     seqs = sequence_statistics(batch, tokens, config, reducer)                  # 2. per sequence (collective 1)

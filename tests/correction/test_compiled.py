@@ -233,7 +233,8 @@ def test_a_failing_compiler_warns_once_and_runs_eagerly(monkeypatch):
 
     monkeypatch.setattr(compiled, "_STAGES", {})
     monkeypatch.setattr(compiled, "_FAILED", {})
-    config = replace(CONFIGS["geometric_mask_mean_k3_token_k1_norm"], is_upper_bound=1.75)  # its own kernels: none cached
+    # a config of its own: none of its kernels is in inductor's cache, so the compiler must run
+    config = replace(CONFIGS["geometric_mask_mean_k3_token_k1_norm"], is_upper_bound=1.75)
     batch = _batch(BATCHES[LARGE])
     failed = r"torch.compile failed on cpu \(InductorError: .*No working C\+\+ compiler"
     # inductor's own patch (monkeypatch's undo deletes the setting on torch 2.15, whose config class does not hold it)
