@@ -78,32 +78,28 @@ def _stages_of(config: RolloutCorrectionConfig) -> Callable:
     return torch.compile(own, dynamic=None, options=options)
 
 
-def _eager_reason(device: str, n_tokens: int) -> Optional[str]:
-    """Why this call runs eagerly (module docstring), or None."""
+def _runs_eagerly(device: str, n_tokens: int) -> bool:
+    """Whether this call runs eagerly although compiling was asked for (module docstring)."""
     if n_tokens < MIN_TOKENS:
-        return "small"
+        return True
     if os.environ.get("TORCHDYNAMO_DISABLE", "").strip() == "1":  # torch.compile would be a silent no-op
         if "TORCHDYNAMO_DISABLE" not in _SAID:
             _SAID.add("TORCHDYNAMO_DISABLE")
             warnings.warn(f"rollout correction: asked to compile ({ENV}=1 or compiled=True) but "
                           f"TORCHDYNAMO_DISABLE=1 turns torch.compile off; running it eagerly (unset "
                           f"TORCHDYNAMO_DISABLE to compile it)", RuntimeWarning, stacklevel=4)
-        return "dynamo off"
+        return True
     # Under a TorchDispatchMode (an op counter such as slime_rc.testing.host_reads, a flop counter) eagerly: a
     # compiled function called once under one runs at eager speed ever after (torch 2.13, measured: 8.7 -> 27 ms
     # at 560k tokens), and the mode sees the ops it counts.
-    if _get_current_dispatch_mode() is not None:
-        return "dispatch mode"
-    if device in _FAILED:
-        return "failed"
-    return None
+    return _get_current_dispatch_mode() is not None or device in _FAILED
 
 
 def compiled_stages(config: RolloutCorrectionConfig, train: torch.Tensor, rollout: torch.Tensor,
                     mask: torch.Tensor, cu_seqlens: torch.Tensor, reducer: LocalReducer) -> StageOutputs:
     """``stages.correction_stages``, compiled (eagerly where it cannot or should not be: module docstring)."""
     device = train.device.type
-    if _eager_reason(device, train.numel()) is None:
+    if not _runs_eagerly(device, train.numel()):
         fn = _STAGES.get(config)
         if fn is None:
             if len(_STAGES) >= 16:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -438,24 +438,30 @@ def _sequence_terms(seqs: SequenceStats, decisions: SequenceDecisions, config: R
     return terms, extreme_columns
 
 
+def _process_cached(cache: dict, key, limit: int, build: Callable[[], Any]):
+    """``cache[key]``, built by ``build()`` on a miss (the cache emptied once it holds ``limit`` entries).  While
+    compiled (``packed.tracing()``), ``build()`` without the cache: the value is built into the graph, as a lookup in a
+    process-wide cache would make dynamo guard on the cache's contents (and give cached tensors' sizes symbols that
+    it then tied to the batch's): another entry, or the first one, would have made the graph compile again."""
+    if packed.tracing():
+        return build()
+    value = cache.get(key)
+    if value is None:
+        if len(cache) >= limit:
+            cache.clear()
+        value = cache[key] = build()
+    return value
+
+
 _PPL_BOUNDS: Dict[tuple, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
 def _ppl_bounds(bound: float, device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``[4, 1]`` float64 clamp bounds and scales of the exponentiated perplexity terms (-m_t, -m_r: at most
     ``_PPL_EXP_MAX``; d and S: +-``bound``; S is doubled after the clamp), uploaded once per bound and device."""
-    if packed.tracing():  # built into the graph (see _plan)
-        return tuple(upload(v, torch.float64, device).view(4, 1) for v in _ppl_bound_rows(bound))
-    key = (bound, str(device))
-    if key not in _PPL_BOUNDS:
-        if len(_PPL_BOUNDS) >= 64:
-            _PPL_BOUNDS.clear()
-        _PPL_BOUNDS[key] = tuple(upload(v, torch.float64, device).view(4, 1) for v in _ppl_bound_rows(bound))
-    return _PPL_BOUNDS[key]
-
-
-def _ppl_bound_rows(bound: float):
-    return [-math.inf, -math.inf, -bound, -bound], [_PPL_EXP_MAX, _PPL_EXP_MAX, bound, bound], [1.0, 1.0, 1.0, 2.0]
+    return _process_cached(_PPL_BOUNDS, (bound, str(device)), 64, lambda: tuple(
+        upload(v, torch.float64, device).view(4, 1) for v in (
+            [-math.inf, -math.inf, -bound, -bound], [_PPL_EXP_MAX, _PPL_EXP_MAX, bound, bound], [1.0, 1.0, 1.0, 2.0])))
 
 
 def _rs_sequence_terms(seqs: SequenceStats, decisions: SequenceDecisions, config: RolloutCorrectionConfig):
@@ -512,14 +518,8 @@ def _reduce(token: TokenTotals, hist: Optional[torch.Tensor], terms: SequenceTot
     parts = [head, seq_sums] + ([hist] if hist is not None else [])  # the histogram last: sums[:k] are the scalars
     sums, maxes = reducer.reduce_totals(torch.cat(parts), _pack(leaves(extremes), dev))  # the last collective
     k = head.numel() + seq_sums.numel()
-    # which leaves exist depends on the config only: cached per config, but worked out while tracing (see _plan)
-    positions = None if packed.tracing() else _POSITIONS.get(config)
-    if positions is None:
-        positions = (_positions(token), _positions(terms, head.numel()), _positions(extremes))
-        if not packed.tracing():
-            if len(_POSITIONS) >= 256:
-                _POSITIONS.clear()
-            _POSITIONS[config] = positions
+    positions = _process_cached(_POSITIONS, config, 256, lambda: (  # which leaves exist depends on the config only
+        _positions(token), _positions(terms, head.numel()), _positions(extremes)))
     return BatchTotals(*positions, sums=sums[:k], maxes=maxes, histogram=sums[k:] if hist is not None else None)
 
 
@@ -669,15 +669,8 @@ _PLANS: Dict[tuple, _MetricPlan] = {}
 
 def _plan(t: BatchTotals, config: RolloutCorrectionConfig) -> _MetricPlan:
     """The cached plan of ``config`` on this device (positions depend on the config only)."""
-    if packed.tracing():  # built into the graph: a lookup in this process-wide cache would guard on its contents
-        return _MetricPlan(t, config, t.sums.device)
     key = (config, t.sums.device, t.sums.numel(), t.maxes.numel())
-    plan = _PLANS.get(key)
-    if plan is None:
-        if len(_PLANS) >= 256:
-            _PLANS.clear()
-        plan = _PLANS[key] = _MetricPlan(t, config, t.sums.device)
-    return plan
+    return _process_cached(_PLANS, key, 256, lambda: _MetricPlan(t, config, t.sums.device))
 
 
 def finish_metrics(t: BatchTotals, config: RolloutCorrectionConfig,
