@@ -378,3 +378,51 @@ def test_context_parallel_with_device_tensors_equals_one_process():
         torch.testing.assert_close(r["tis"]["weights"], want, rtol=1e-6, atol=1e-7, msg=f"TIS weights, rank {rank}")
         for m, m_ref, i in zip(r["tis"]["masks"], masks, r["tis"]["idx"]):
             assert torch.equal(m[i].to(m_ref.dtype), m_ref[i]), rank
+
+
+# ---- the compiled engine on the device (inductor's Triton backend) ------------------------------------------------
+@pytest.fixture
+def dynamo_on():
+    """tests/conftest.py turns dynamo off for the session (TORCHDYNAMO_DISABLE=1); on for one test, with the compiled
+    functions made afresh (one made while it was off would stay eager)."""
+    from slime_rc.correction import compiled
+    saved = os.environ.get("TORCHDYNAMO_DISABLE")
+    os.environ["TORCHDYNAMO_DISABLE"] = "0"
+    compiled._STAGES.clear()
+    yield compiled
+    compiled._STAGES.clear()
+    if saved is None:
+        del os.environ["TORCHDYNAMO_DISABLE"]
+    else:
+        os.environ["TORCHDYNAMO_DISABLE"] = saved
+
+
+@pytest.mark.parametrize("name", ["token_truncate_rs_veto_norm", "sequence_clip_max_k2_veto_reject"])
+def test_compiled_engine_on_the_device_equals_the_cpu(name, dynamo_on):
+    """``compiled=True`` on the device: compiled for real (the call must not fall back to eager: nothing recorded
+    in ``compiled._FAILED``, graphs made), its results on two batches that share the graph equal the CPU's eager
+    results, and in ``'reject'`` mode the compiled call runs under CUDA's sync detector (the graph itself and
+    what runs around it: no synchronisation)."""
+    import torch._dynamo.utils
+    from tests.correction.test_compiled import BATCHES, CONFIGS, _batch
+    config = CONFIGS[name]
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for batch in ("large", "more_samples"):
+        cpu = _batch(BATCHES[batch], seed=2, nan=config.on_nonfinite == "reject")
+        assert cpu[0].numel() >= dynamo_on.MIN_TOKENS
+        dev = to(cpu)
+        want = compute_rollout_correction(*cpu, config)
+        got = compute_rollout_correction(*dev, config, compiled=True)  # compiles on the first batch
+        if config.on_nonfinite == "reject":
+            with no_stream_sync():
+                got = compute_rollout_correction(*dev, config, compiled=True)
+        assert DEVICE.type not in dynamo_on._FAILED, dynamo_on._FAILED
+        what = f"{name}/{batch} compiled"
+        assert_same(want.is_weights, got.is_weights, f"{what} is_weights")
+        assert_same(want.keep_mask, got.keep_mask, f"{what} keep_mask")
+        assert_same(want.sequences, got.sequences, f"{what} sequences", atol=1e-6)
+        assert list(want.metrics) == list(got.metrics), what
+        for k in want.metrics:  # k2/k3 cancel in float32: the device's exp differs from the CPU's in the last bit
+            rtol = 1e-4 if ("_k2" in k or "_k3" in k or k == "k3_kl") else 1e-5
+            assert_same(want.metrics[k], got.metrics[k], f"{what} metrics[{k!r}]", rtol=rtol, atol=1e-7)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs
