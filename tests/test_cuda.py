@@ -400,13 +400,14 @@ def dynamo_on():
 @pytest.mark.parametrize("name", ["token_truncate_rs_veto_norm", "sequence_clip_max_k2_veto_reject"])
 def test_compiled_engine_on_the_device_equals_the_cpu(name, dynamo_on):
     """``compiled=True`` on the device: compiled for real (the call must not fall back to eager: nothing recorded
-    in ``compiled._FAILED``, graphs made), its results on two batches that share the graph equal the CPU's eager
+    in ``compiled._FAILED``, graphs made, none broken), its results on two batches that share the graph equal the CPU's eager
     results, and in ``'reject'`` mode the compiled call runs under CUDA's sync detector (the graph itself and
     what runs around it: no synchronisation)."""
     import torch._dynamo.utils
     from tests.correction.test_compiled import BATCHES, CONFIGS, _batch
     config = CONFIGS[name]
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    counters = torch._dynamo.utils.counters
+    graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
     for batch in ("large", "more_samples"):
         cpu = _batch(BATCHES[batch], seed=2, nan=config.on_nonfinite == "reject")
         assert cpu[0].numel() >= dynamo_on.MIN_TOKENS
@@ -425,4 +426,5 @@ def test_compiled_engine_on_the_device_equals_the_cpu(name, dynamo_on):
         for k in want.metrics:  # k2/k3 cancel in float32: the device's exp differs from the CPU's in the last bit
             rtol = 1e-4 if ("_k2" in k or "_k3" in k or k == "k3_kl") else 1e-5
             assert_same(want.metrics[k], got.metrics[k], f"{what} metrics[{k!r}]", rtol=rtol, atol=1e-7)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs
+    assert counters["stats"]["unique_graphs"] > graphs
+    assert sum(counters["graph_break"].values()) == breaks, dict(counters["graph_break"])  # one graph, no break

@@ -32,10 +32,12 @@ def cu_seqlens_from_lengths(lengths, device=None) -> torch.Tensor:
 def upload(values, dtype: torch.dtype, device) -> torch.Tensor:
     """Python numbers (host metadata such as slime's per-sample lengths) -> a tensor on ``device`` without stalling
     a GPU stream: on CUDA through pinned memory with a non-blocking copy (a plain ``torch.tensor(..., device=cuda)``
-    is a blocking copy that waits for every queued kernel).  The one sanctioned host->device upload of the hot
-    path (``slime_rc.testing.host_reads`` does not count it)."""
-    t = torch.tensor(values, dtype=dtype)  # host: staged here, then copied without blocking
+    is a blocking copy that waits for every queued kernel); compiled, a constant of the graph.  The one sanctioned
+    host->device upload of the hot path (``slime_rc.testing.host_reads`` does not count it)."""
     device = torch.device(device)
+    if tracing():  # a constant of the compiled graph (dynamo has no pinned memory: pin_memory fails while tracing)
+        return torch.tensor(values, dtype=dtype, device=device)
+    t = torch.tensor(values, dtype=dtype)  # host: staged here, then copied without blocking
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t if device.type == "cpu" else t.to(device)

@@ -81,8 +81,11 @@ def with_leaves(record: Any, values: Iterable[Any]) -> Any:
         names = _fields_of(type(x))
         if names is not None:
             d = x.__dict__
+            fields = {name: None if d[name] is None else build(d[name]) for name in names}
+            if torch.compiler.is_compiling():  # (torch 2.11's dynamo cannot trace __dict__.update: a graph break)
+                return type(x)(**fields)
             new = object.__new__(type(x))  # the fields are set directly: no __init__ per record on the hot path
-            new.__dict__.update({name: None if d[name] is None else build(d[name]) for name in names})
+            new.__dict__.update(fields)
             return new
         if type(x) is dict:
             return {k: None if v is None else build(v) for k, v in x.items()}
