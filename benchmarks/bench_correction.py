@@ -32,8 +32,9 @@ floors), host synchronisations per call of ours, compiled and the plugin
 (:class:`slime_rc.testing.host_reads.HostReads`: device->host reads,
 data-dependent shapes, blocking copies; counted on one extra call outside the timed rounds; on a GPU each one drains
 the stream; under the counter's dispatch mode the compiled engine runs eagerly, so the compiled column counts the
-eager stand-in: the compiled engine is one graph without a break, ``tests/correction/test_compiled.py``), and metric
-memory / input bytes (the bytes of the metric tensors over the three inputs').
+eager stand-in: the compiled engine is one graph without a break, ``tests/correction/test_compiled.py``; on a GPU the
+column adds, in brackets, what CUDA's own sync detector reports for one call of each, the compiled graph as it runs),
+and metric memory / input bytes (the bytes of the metric tensors over the three inputs').
 
 Scaling sweep (62k .. 8M tokens, samples of 2k-4k tokens): ``ns/token`` of ours (and of the floor), which should stay
 flat, and peak memory per token.  Peak memory is measured as the process's resident set (RSS) high-water mark, in a
@@ -82,6 +83,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from types import SimpleNamespace
 from typing import Dict, List, Optional, Sequence
 
@@ -492,6 +494,23 @@ def host_syncs(fn) -> int:
     return reads.count
 
 
+def stream_syncs(fn) -> int:
+    """On CUDA: the synchronising calls CUDA's own detector reports in one ``fn()``
+    (``torch.cuda.set_sync_debug_mode("warn")``: a warning each).  Unlike :func:`host_syncs` (a dispatch mode, under
+    which the compiled engine runs eagerly) it sees the compiled graph as it runs, host->device copies included."""
+    sync()
+    before = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(before)
+    sync()
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
 def _proc_status(key: str) -> Optional[int]:
     try:
         with open("/proc/self/status") as f:
@@ -610,6 +629,8 @@ def measure_case(label: str, lengths: List[int], quick: bool, check: bool) -> di
                ours_over_floor=t["ours"] / t["floor"], ours_host_syncs=host_syncs(ours),
                plugin_host_syncs=host_syncs(plugin), ref_over_compiled=t["ref"] / t["compiled"],
                compiled_over_floor=t["compiled"] / t["floor"], compiled_host_syncs=host_syncs(fns["compiled"]))
+    if DEVICE.type == "cuda":
+        row.update({f"{name}_stream_syncs": stream_syncs(fns[name]) for name in ("ours", "compiled", "plugin")})
     metrics = ours().metrics
     metric_bytes = sum(v.numel() * v.element_size() for v in metrics.values() if isinstance(v, torch.Tensor))
     row["metric_mem_over_input"] = metric_bytes / sum(x.numel() * x.element_size() for x in inputs)
@@ -687,6 +708,8 @@ def print_table(rows: List[dict]) -> None:
           f"{'syncs ours/comp/plug':>20s} {'metric mem/input':>16s}")
     for r in rows:
         syncs = f"{r['ours_host_syncs']} / {r['compiled_host_syncs']} / {r['plugin_host_syncs']}"
+        if "compiled_stream_syncs" in r:  # CUDA's detector, the compiled graph included (one call each)
+            syncs += f" [{r['ours_stream_syncs']}/{r['compiled_stream_syncs']}/{r['plugin_stream_syncs']}]"
         print(f"{r['case']:27s} {r['ours_s'] * 1e3:6.2f}ms {r['ref_s'] * 1e3:7.2f}ms {r['ref_over_ours']:7.1f}x "
               f"{r['compiled_s'] * 1e3:6.2f}ms {r['ref_over_compiled']:7.1f}x "
               f"{r['plugin_s'] * 1e3:6.2f}ms {r['ref_over_plugin']:7.1f}x {r['floor_s'] * 1e3:6.3f}ms "

@@ -400,9 +400,10 @@ def dynamo_on():
 @pytest.mark.parametrize("name", ["token_truncate_rs_veto_norm", "sequence_clip_max_k2_veto_reject"])
 def test_compiled_engine_on_the_device_equals_the_cpu(name, dynamo_on):
     """``compiled=True`` on the device: compiled for real (the call must not fall back to eager: nothing recorded
-    in ``compiled._FAILED``, graphs made, none broken), its results on two batches that share the graph equal the CPU's eager
-    results, and in ``'reject'`` mode the compiled call runs under CUDA's sync detector (the graph itself and
-    what runs around it: no synchronisation)."""
+    in ``compiled._FAILED``, graphs made, none broken), its results on two batches that share the graph equal the
+    CPU's eager results, and in ``'reject'`` mode the compiled call runs under CUDA's sync detector (the graph itself
+    and what runs around it: no synchronisation).  The second config compiles after the first in the same process,
+    as on the H200 where that made its constant tables host -> device copies (``compiled._stages_of``)."""
     import torch._dynamo.utils
     from tests.correction.test_compiled import BATCHES, CONFIGS, _batch
     config = CONFIGS[name]

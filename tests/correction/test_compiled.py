@@ -159,6 +159,33 @@ def test_configs_called_in_turn_keep_their_graphs():
     assert _graphs() == graphs, _graphs() - graphs
 
 
+def test_a_config_compiled_after_another_keeps_its_values_constant(monkeypatch):
+    """Two configs compiled one after the other (the cache emptied between them, as when it fills up or a new
+    process starts) each get a graph whose only inputs are the batch's tensors and sizes: no config value is made
+    symbolic.  Dynamo's automatic-dynamic profile is keyed by the function's file, line and name (across processes
+    too: its local PGO cache); when both configs' functions shared a name, the values that differ between them
+    became graph inputs, and on CUDA the tables built from them were made on the host and copied to the device on
+    every call, a stream sync (seen on an H200 with torch 2.11).  The graphs are captured with the aot_eager
+    backend (no inductor: the inputs are what is asserted)."""
+    from torch._dynamo.backends.common import aot_autograd
+    graphs = []
+    original = torch.compile
+    backend = aot_autograd(fw_compiler=lambda gm, example_inputs: graphs.append(gm) or gm)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: original(fn, backend=backend, dynamic=kw.get("dynamic")))
+    batch = _batch(BATCHES[LARGE])
+    for config in (CONFIGS["token_truncate_rs_veto_norm"], CONFIGS["sequence_clip_max_k2_veto_reject"]):
+        compiled._STAGES.clear()
+        _compare(compute_rollout_correction(*batch, config, compiled=False),
+                 compute_rollout_correction(*batch, config, compiled=True), repr(config))
+    compiled._STAGES.clear()
+    assert len(graphs) == 2
+    for gm in graphs:
+        inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+        tensors = [v for v in inputs if isinstance(v, torch.Tensor)]
+        assert len(tensors) == 4 and all(v.dim() == 1 for v in tensors), inputs  # train, rollout, mask, cu_seqlens
+        assert all(isinstance(v, torch.SymInt) for v in inputs if not isinstance(v, torch.Tensor)), inputs
+
+
 def test_a_single_sequence_compiles_a_graph_of_its_own():
     """Dynamic shapes specialize a size of 1: ``B = 1`` compiles a second graph (once), equal to eager too."""
     config = CONFIGS["metrics_only"]
