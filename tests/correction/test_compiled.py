@@ -184,6 +184,12 @@ def test_a_config_compiled_after_another_keeps_its_values_constant(monkeypatch):
         tensors = [v for v in inputs if isinstance(v, torch.Tensor)]
         assert len(tensors) == 4 and all(v.dim() == 1 for v in tensors), inputs  # train, rollout, mask, cu_seqlens
         assert all(isinstance(v, torch.SymInt) for v in inputs if not isinstance(v, torch.Tensor)), inputs
+        # no table stacked from scalars at run time (what made the host -> device copy): constants only
+        constant = {n for n in gm.graph.nodes if n.op == "get_attr"}
+        for n in gm.graph.nodes:
+            if n.op == "call_function" and all(a in constant for a in n.all_input_nodes):
+                constant.add(n)
+                assert "stack" not in str(n.target), (n.name, n.meta.get("stack_trace"))
 
 
 def test_a_single_sequence_compiles_a_graph_of_its_own():
