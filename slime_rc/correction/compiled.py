@@ -64,9 +64,10 @@ def _stages_of(config: RolloutCorrectionConfig) -> Callable:
     # a code object of its own for each config: dynamo keeps at most torch._dynamo.config.recompile_limit (8) graphs
     # per code object and then runs it eagerly without a word; the configs' closures would share this one (more than
     # 8 configs in a process: the analysis tools, a test suite).  Named after the config's content: dynamo's
-    # automatic-dynamic profile is keyed by (file, line, name), also across processes (its local PGO cache), and two
-    # configs under one name made the values that differ between them symbolic -- graph inputs, and on CUDA constant
-    # tables built on the host and copied to the device each call (a stream sync; seen on an H200, torch 2.11)
+    # automatic-dynamic profile is keyed by (file, line, name) -- across processes too where a
+    # torch.compiler.config.job_id is set (its PGO cache) -- and two configs under one name made the values that
+    # differ between them symbolic: graph inputs, and on CUDA constant tables built on the host and copied to the
+    # device each call (a stream sync; seen on an H200, torch 2.11)
     digest = hashlib.sha1(repr(config).encode()).hexdigest()[:16]
     code = stages.__code__.replace(co_name=f"correction_stages_{digest}")
     own = types.FunctionType(code, stages.__globals__, code.co_name, None, stages.__closure__)
