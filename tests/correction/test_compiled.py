@@ -161,10 +161,11 @@ def test_configs_called_in_turn_keep_their_graphs():
 
 def test_a_config_compiled_after_another_keeps_its_values_constant(monkeypatch):
     """Two configs compiled one after the other (the cache emptied between them, as when it fills up) each get a
-    graph whose only inputs are the batch's tensors and sizes: no config value is made symbolic.  Dynamo's automatic-dynamic profile is keyed by the function's file, line and name (across processes
-    too where a ``torch.compiler.config.job_id`` is set); when both configs' functions shared a name, the values that
-    differ between them became graph inputs, and on CUDA the tables built from them were made on the host and
-    copied to the device on every call, a stream sync (seen on an H200 with torch 2.11).  The graphs are captured
+    graph whose only inputs are the batch's tensors and sizes: no config value is made symbolic.  Dynamo's
+    automatic-dynamic profile is keyed by the function's file, line and name (across processes too where a
+    ``torch.compiler.config.job_id`` is set); when both configs' functions shared a name, the values that differ
+    between them became graph inputs, and on CUDA the tables built from them were made on the host and copied to the
+    device on every call, a stream sync (seen on an H200 with torch 2.11).  The graphs are captured
     with the aot_eager backend (no inductor: the inputs and the constants are what is asserted)."""
     from torch._dynamo.backends.common import aot_autograd
     graphs = []
