@@ -22,7 +22,6 @@ import argparse
 import os
 import sys
 import time
-import warnings
 from collections import Counter
 from typing import Dict, List
 
@@ -72,20 +71,6 @@ def summarize(prof, calls: int, on_cuda: bool) -> Dict[str, object]:
     return out
 
 
-def detector_syncs(fn) -> int:
-    torch.cuda.synchronize()
-    before = torch.cuda.get_sync_debug_mode()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode(before)
-    torch.cuda.synchronize()
-    return sum("synchroniz" in str(w.message) for w in caught)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
@@ -94,7 +79,7 @@ def main() -> None:
     ap.add_argument("--in-step", action="store_true", help="also profile a call behind ~20 ms of queued GPU work")
     args = ap.parse_args()
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "0")
-    device = torch.device(args.device)
+    device = bench.DEVICE = torch.device(args.device)  # (bench.sync and bench.stream_syncs read it)
     on_cuda = device.type == "cuda"
     if on_cuda and not torch.cuda.is_available():
         ap.error(f"--device {args.device}: CUDA is not available here")
@@ -134,7 +119,7 @@ def main() -> None:
                 else:
                     print(f"   {k}: {v:.1f}" if isinstance(v, float) else f"   {k}: {v}")
             if on_cuda:
-                print(f"   CUDA sync detector, one call: {detector_syncs(call)} synchronising call(s)")
+                print(f"   CUDA sync detector, one call: {bench.stream_syncs(call)} synchronising call(s)")
                 if args.in_step:
                     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
                     a @ a
