@@ -383,18 +383,10 @@ def test_context_parallel_with_device_tensors_equals_one_process():
 # ---- the compiled engine on the device (inductor's Triton backend) ------------------------------------------------
 @pytest.fixture
 def dynamo_on():
-    """tests/conftest.py turns dynamo off for the session (TORCHDYNAMO_DISABLE=1); on for one test, with the compiled
-    functions made afresh (one made while it was off would stay eager)."""
-    from slime_rc.correction import compiled
-    saved = os.environ.get("TORCHDYNAMO_DISABLE")
-    os.environ["TORCHDYNAMO_DISABLE"] = "0"
-    compiled._STAGES.clear()
-    yield compiled
-    compiled._STAGES.clear()
-    if saved is None:
-        del os.environ["TORCHDYNAMO_DISABLE"]
-    else:
-        os.environ["TORCHDYNAMO_DISABLE"] = saved
+    """Dynamo on for one test (``tests/correction/test_compiled.dynamo_enabled``); yields ``compiled.py``."""
+    from tests.correction.test_compiled import dynamo_enabled
+    with dynamo_enabled() as compiled:
+        yield compiled
 
 
 @pytest.mark.parametrize("name", ["token_truncate_rs_veto_norm", "sequence_clip_max_k2_veto_reject"])

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -438,28 +438,13 @@ def _sequence_terms(seqs: SequenceStats, decisions: SequenceDecisions, config: R
     return terms, extreme_columns
 
 
-def _process_cached(cache: dict, key, limit: int, build: Callable[[], Any]):
-    """``cache[key]``, built by ``build()`` on a miss (the cache emptied once it holds ``limit`` entries).  While
-    compiled (``packed.tracing()``), ``build()`` without the cache: the value is built into the graph, as a lookup in a
-    process-wide cache would make dynamo guard on the cache's contents (and give cached tensors' sizes symbols that
-    it then tied to the batch's): another entry, or the first one, would have made the graph compile again."""
-    if packed.tracing():
-        return build()
-    value = cache.get(key)
-    if value is None:
-        if len(cache) >= limit:
-            cache.clear()
-        value = cache[key] = build()
-    return value
-
-
 _PPL_BOUNDS: Dict[tuple, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
 def _ppl_bounds(bound: float, device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``[4, 1]`` float64 clamp bounds and scales of the exponentiated perplexity terms (-m_t, -m_r: at most
     ``_PPL_EXP_MAX``; d and S: +-``bound``; S is doubled after the clamp), uploaded once per bound and device."""
-    return _process_cached(_PPL_BOUNDS, (bound, str(device)), 64, lambda: tuple(
+    return packed.process_cached(_PPL_BOUNDS, (bound, str(device)), 64, lambda: tuple(
         upload(v, torch.float64, device).view(4, 1) for v in (
             [-math.inf, -math.inf, -bound, -bound], [_PPL_EXP_MAX, _PPL_EXP_MAX, bound, bound], [1.0, 1.0, 1.0, 2.0])))
 
@@ -518,7 +503,7 @@ def _reduce(token: TokenTotals, hist: Optional[torch.Tensor], terms: SequenceTot
     parts = [head, seq_sums] + ([hist] if hist is not None else [])  # the histogram last: sums[:k] are the scalars
     sums, maxes = reducer.reduce_totals(torch.cat(parts), _pack(leaves(extremes), dev))  # the last collective
     k = head.numel() + seq_sums.numel()
-    positions = _process_cached(_POSITIONS, config, 256, lambda: (  # which leaves exist depends on the config only
+    positions = packed.process_cached(_POSITIONS, config, 256, lambda: (  # which leaves exist depends on the config only
         _positions(token), _positions(terms, head.numel()), _positions(extremes)))
     return BatchTotals(*positions, sums=sums[:k], maxes=maxes, histogram=sums[k:] if hist is not None else None)
 
@@ -670,7 +655,7 @@ _PLANS: Dict[tuple, _MetricPlan] = {}
 def _plan(t: BatchTotals, config: RolloutCorrectionConfig) -> _MetricPlan:
     """The cached plan of ``config`` on this device (positions depend on the config only)."""
     key = (config, t.sums.device, t.sums.numel(), t.maxes.numel())
-    return _process_cached(_PLANS, key, 256, lambda: _MetricPlan(t, config, t.sums.device))
+    return packed.process_cached(_PLANS, key, 256, lambda: _MetricPlan(t, config, t.sums.device))
 
 
 def finish_metrics(t: BatchTotals, config: RolloutCorrectionConfig,

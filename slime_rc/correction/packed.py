@@ -7,7 +7,7 @@ vectorized over sequences (no Python loop over B) and free of ``torch.distribute
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 
@@ -19,6 +19,22 @@ def tracing() -> bool:
     their work for eager kernels (copies in pieces, ``out=`` buffers, a matrix for small batches) then take the one
     form the compiler fuses best."""
     return torch.compiler.is_compiling()
+
+
+def process_cached(cache: dict, key, limit: int, build: Callable[[], Any]):
+    """``cache[key]``, built by ``build()`` on a miss (the cache emptied once it holds ``limit`` entries): the hot
+    path's process-wide caches of small constant tensors (metric plans, bounds, quantile grids).  While compiled
+    (:func:`tracing`), ``build()`` without the cache: the value is built into the graph, as a lookup in a
+    process-wide cache would make dynamo guard on the cache's contents (and give cached tensors' sizes symbols that
+    it then tied to the batch's): another entry, or the first one, would have made the graph compile again."""
+    if tracing():
+        return build()
+    value = cache.get(key)
+    if value is None:
+        if len(cache) >= limit:
+            cache.clear()
+        value = cache[key] = build()
+    return value
 
 
 def cu_seqlens_from_lengths(lengths, device=None) -> torch.Tensor:

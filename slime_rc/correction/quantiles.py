@@ -13,12 +13,11 @@ holding it, hence ``|reported - true| <= |true| / (2 * bins_per_octave) + 2**MIN
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
-from slime_rc.correction.packed import tracing, upload
+from slime_rc.correction.packed import process_cached, upload
 
 MIN_EXPONENT = -24
 QUANTILES = (0.25, 0.50, 0.75, 0.95, 0.99)
@@ -61,9 +60,17 @@ def histogram(x: torch.Tensor, bins_per_octave: int, bound: float, weights=None)
     return counts.index_add_(0, idx, weights.double())
 
 
-@functools.lru_cache(maxsize=16)
+_CENTRES: dict = {}
+_LEVELS: dict = {}
+
+
 def bin_centres(bins_per_octave: int, bound: float, device=None) -> torch.Tensor:
-    """Log-space value reported for each bin (float64, ``[num_bins]``)."""
+    """Log-space value reported for each bin (float64, ``[num_bins]``), built once per grid and device."""
+    return process_cached(_CENTRES, (bins_per_octave, bound, str(device)), 16,
+                          lambda: _bin_centres(bins_per_octave, bound, device))
+
+
+def _bin_centres(bins_per_octave: int, bound: float, device) -> torch.Tensor:
     shift = 23 - int(math.log2(bins_per_octave))
     half = _half_bins(bins_per_octave, bound)
     k = torch.arange(half + 2, dtype=torch.int64, device=device)
@@ -74,10 +81,9 @@ def bin_centres(bins_per_octave: int, bound: float, device=None) -> torch.Tensor
     return torch.cat([-mags.flip(0)[:-1], mags])
 
 
-@functools.lru_cache(maxsize=16)
 def _levels(qs: tuple, device) -> torch.Tensor:
     """The quantile levels on ``device``: uploaded once per device, then cached."""
-    return upload(list(qs), torch.float64, device)
+    return process_cached(_LEVELS, (qs, str(device)), 16, lambda: upload(list(qs), torch.float64, device))
 
 
 def quantiles_from_histogram(counts: torch.Tensor, bins_per_octave: int, bound: float,
@@ -86,9 +92,7 @@ def quantiles_from_histogram(counts: torch.Tensor, bins_per_octave: int, bound: 
     read: the empty case is a ``where``."""
     total = counts.sum()
     cum = counts.cumsum(0)
-    # compiled (slime_rc.correction.compiled), built into the graph: dynamo would trace past the caches anyway
-    levels, centres = (_levels.__wrapped__, bin_centres.__wrapped__) if tracing() else (_levels, bin_centres)
-    ranks = torch.ceil(levels(tuple(qs), counts.device) * total).clamp(min=1)
+    ranks = torch.ceil(_levels(tuple(qs), counts.device) * total).clamp(min=1)
     pos = torch.searchsorted(cum, ranks - 0.5)  # first bin whose cumulative count reaches the rank
-    values = centres(bins_per_octave, float(bound), counts.device)[pos.clamp(max=counts.numel() - 1)]
+    values = bin_centres(bins_per_octave, float(bound), counts.device)[pos.clamp(max=counts.numel() - 1)]
     return torch.where(total > 0, values, 0.0)

@@ -13,6 +13,7 @@ the eager fallback when compiling fails or dynamo is off, and the environment va
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import warnings
@@ -96,19 +97,28 @@ def _graphs() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def dynamo_on():
+@contextlib.contextmanager
+def dynamo_enabled():
     """tests/conftest.py turns dynamo off for the session (TORCHDYNAMO_DISABLE=1: torch.compile is then a no-op);
-    on for this module, with the compiled functions made afresh (one made while it was off would stay eager)."""
+    on inside, with the compiled functions made afresh (one made while it was off would stay eager)."""
     saved = os.environ.get("TORCHDYNAMO_DISABLE")
     os.environ["TORCHDYNAMO_DISABLE"] = "0"
     compiled._STAGES.clear()
-    yield
-    compiled._STAGES.clear()
-    if saved is None:
-        del os.environ["TORCHDYNAMO_DISABLE"]
-    else:
-        os.environ["TORCHDYNAMO_DISABLE"] = saved
+    try:
+        yield compiled
+    finally:
+        compiled._STAGES.clear()
+        if saved is None:
+            del os.environ["TORCHDYNAMO_DISABLE"]
+        else:
+            os.environ["TORCHDYNAMO_DISABLE"] = saved
+
+
+@pytest.fixture(autouse=True, scope="module")
+def dynamo_on():
+    """Dynamo on for this module (:func:`dynamo_enabled`)."""
+    with dynamo_enabled():
+        yield
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
