@@ -519,5 +519,8 @@ def worker(rank: int, world_size: int, names: List[str]) -> dict:
             M.destroy_parallel()
         if name == REFERENCE:
             results["position_grid"] = position_grid()
+    # what the spawn's layouts left behind: destroy_parallel must destroy megatron's groups (left alive, each kept
+    # 3 gloo threads and the later layouts ran 2-3x slower)
+    results["process_groups_left"] = len(torch.distributed.distributed_c10d._world.pg_map)
     results["seconds"] = time.perf_counter() - t0
     return results

@@ -69,7 +69,15 @@ def layout_runs() -> Dict[str, List[dict]]:
             if name in ATTENTION_CHECKS:
                 out[("attention", name)] = [r[("attention", name)] for r in per_rank]
             out[("positions", name)] = [r[("positions", name)] for r in per_rank]
+        out[("process_groups_left", world)] = [r["process_groups_left"] for r in per_rank]
     return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_each_layout_destroys_the_process_groups_it_made(layout_runs, world):
+    """After the spawn's layouts, each initialised and destroyed in turn (``demo.model.destroy_parallel``), every
+    rank holds the default group only."""
+    assert layout_runs[("process_groups_left", world)] == [1] * world
 
 
 def rel(got: float, want: float) -> float:
