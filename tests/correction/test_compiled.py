@@ -319,38 +319,51 @@ def test_dynamo_turned_off_is_said_once_and_runs_eagerly(monkeypatch):
     _compare(compute_rollout_correction(*batch, config, compiled=False), fast, "dynamo off")
 
 
-def _cp_rank(rank, world, config, lengths):
-    """Context parallelism over 2 gloo ranks, compiled: each rank holds alternate halves of every sequence."""
+def _cp_rank(rank, world, names, lengths):
+    """Context parallelism over 2 gloo ranks, compiled, for each named config in turn: each rank holds alternate
+    halves of every sequence."""
     import os
 
     import torch.distributed as dist
     from slime_rc.correction.reducer import DistributedReducer
 
     os.environ["TORCHDYNAMO_DISABLE"] = "0"  # tests.dist_utils turns dynamo off in its children
-    train, rollout, mask, cu = _batch(lengths, nan=config.on_nonfinite == "reject")
-    pieces, mine = [], []
-    for i in range(len(lengths)):
-        idx = torch.arange(int(cu[i]), int(cu[i + 1]))
-        half = idx.numel() // 2
-        own = idx[:half] if rank == 0 else idx[half:]
-        mine.append(own)
-        pieces.append(own.numel())
-    own = torch.cat(mine)
-    out = compute_rollout_correction(train[own], rollout[own], mask[own], cu_seqlens_from_lengths(pieces), config,
-                                     reducer=DistributedReducer(sequence_group=dist.group.WORLD),
-                                     compiled=True)
-    return {"own": own, "keep": out.keep_mask, "weights": out.is_weights,
-            "metrics": {k: float(v) for k, v in out.metrics.items()}, "sequences": out.sequences,
-            "failed": dict(compiled._FAILED), "graphs": _graphs()}
+    out = {}
+    for name in names:
+        config = CONFIGS[name]
+        train, rollout, mask, cu = _batch(lengths, nan=config.on_nonfinite == "reject")
+        pieces, mine = [], []
+        for i in range(len(lengths)):
+            idx = torch.arange(int(cu[i]), int(cu[i + 1]))
+            half = idx.numel() // 2
+            own = idx[:half] if rank == 0 else idx[half:]
+            mine.append(own)
+            pieces.append(own.numel())
+        own = torch.cat(mine)
+        graphs = _graphs()
+        res = compute_rollout_correction(train[own], rollout[own], mask[own], cu_seqlens_from_lengths(pieces),
+                                         config, reducer=DistributedReducer(sequence_group=dist.group.WORLD),
+                                         compiled=True)
+        out[name] = {"own": own, "keep": res.keep_mask, "weights": res.is_weights,
+                     "metrics": {k: float(v) for k, v in res.metrics.items()}, "sequences": res.sequences,
+                     "failed": dict(compiled._FAILED), "graphs": _graphs() - graphs}
+    return out
 
 
 CP_LENGTHS = [40_000, 50_000, 45_000, 0, 7, 300]  # > 2 x compiled.MIN_TOKENS: each of 2 ranks compiles
+CP_CONFIGS = ["token_truncate_rs_veto_norm", "sequence_clip_max_k2_veto_reject"]
 
 
-@pytest.mark.parametrize("name", ["token_truncate_rs_veto_norm", "sequence_clip_max_k2_veto_reject"])
-def test_compiled_under_context_parallelism_equals_one_process(name):
+@pytest.fixture(scope="module")
+def cp_runs():
+    """Both configs in one 2-process spawn (a spawn costs each process its imports)."""
+    return run_distributed(_cp_rank, 2, args=(CP_CONFIGS, CP_LENGTHS), timeout=300)
+
+
+@pytest.mark.parametrize("name", CP_CONFIGS)
+def test_compiled_under_context_parallelism_equals_one_process(name, cp_runs):
     config, lengths = CONFIGS[name], CP_LENGTHS
-    results = run_distributed(_cp_rank, 2, args=(config, lengths), timeout=240)
+    results = [per_rank[name] for per_rank in cp_runs]
     batch = _batch(lengths, nan=config.on_nonfinite == "reject")
     eager = compute_rollout_correction(*batch, config, compiled=False)
     for rank, r in enumerate(results):
