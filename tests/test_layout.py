@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import ast
 import os
+import subprocess
+import sys
 from typing import Dict, List, Set
 
 import pytest
@@ -156,3 +158,15 @@ def test_benchmarks_import_only_the_package(bench):
     names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     names |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert not {n for n in names if n == "tests" or n.startswith("tests.")}, f"{bench} imports the test suite"
+
+
+def test_importing_the_library_and_the_slime_surface_leaves_dynamo_unimported():
+    """``torch._dynamo`` is ~1.1 s of import: a process that never compiles nor reduces across ranks (the CLI, a
+    launch refused at its first check, slime loading ``custom_tis``) does not pay it (``reducer.py`` makes its
+    collectives opaque to ``torch.compile`` at its first distributed instance, not at import)."""
+    code = ("import sys, slime_rc, slime_rc.cli, custom_tis.mis, custom_tis.tis, slime_rc.slime.policy_loss\n"
+            "from slime_rc.correction.reducer import DistributedReducer, LocalReducer\n"
+            "print(sorted(m for m in sys.modules if m == 'torch._dynamo' or m.startswith('torch._dynamo.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout

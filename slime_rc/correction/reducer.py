@@ -79,6 +79,7 @@ class DistributedReducer(LocalReducer):
         # which CP group this rank belongs to, as every rank can name it: its lowest global rank
         self.sequence_key = (min(dist.get_process_group_ranks(sequence_group)) if sequence_group is not None
                              else dist.get_rank())
+        _collectives_untraced()
 
     def agree(self, what, settings, n_sequences):
         """Raise the same ``ValueError`` on every rank of the batch group when their settings or (within a CP
@@ -101,7 +102,6 @@ class DistributedReducer(LocalReducer):
         if message is not None:
             raise ValueError(message)
 
-    @torch.compiler.disable  # the compiled engine (compiled.py) breaks its graph here: collectives run eagerly
     def combine_sequences(self, sums, maxes):
         if self.sequence_world == 1:
             return sums, maxes
@@ -113,7 +113,6 @@ class DistributedReducer(LocalReducer):
         stacked = torch.stack(gathered)  # [world, B, k + m], same order on every rank
         return stacked[:, :, :k].sum(0), stacked[:, :, k:].amax(0) if maxes.shape[1] else maxes
 
-    @torch.compiler.disable
     def reduce_totals(self, sums, maxes):
         if self.batch_world == 1:
             return sums, maxes
@@ -125,7 +124,6 @@ class DistributedReducer(LocalReducer):
         self.num_collectives += 1
         return packed[:n], packed[n:].view(self.batch_world, m).amax(0) if m else maxes
 
-    @torch.compiler.disable
     def sum_totals(self, totals):
         if self.batch_world == 1:
             return totals
@@ -133,6 +131,22 @@ class DistributedReducer(LocalReducer):
         dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=self.batch_group)
         self.num_collectives += 1
         return totals
+
+
+_COLLECTIVES = ("combine_sequences", "reduce_totals", "sum_totals")
+_UNTRACED = []
+
+
+def _collectives_untraced() -> None:
+    """``torch.compiler.disable`` on :class:`DistributedReducer`'s collectives, once, at its first instance: the
+    compiled engine (``compiled.py``) breaks its graph there and the collectives run eagerly between its graphs.
+    Not at import: ``torch.compiler.disable`` imports ``torch._dynamo`` (~1.1 s of the ~2.2 s that ``import
+    slime_rc`` took), which a process that never reduces across ranks (the CLI, a launch refused, the tools) need
+    not pay; a compiled call that reduces across ranks is handed an instance, so it comes after this."""
+    if not _UNTRACED:
+        for name in _COLLECTIVES:
+            setattr(DistributedReducer, name, torch.compiler.disable(getattr(DistributedReducer, name)))
+        _UNTRACED.append(True)
 
 
 _HOST_GROUPS: Dict[Tuple[int, ...], Any] = {}
