@@ -27,6 +27,7 @@ sums named values over DP x CP (:func:`sum_named_values`, :func:`megatron_step_g
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -134,19 +135,17 @@ class DistributedReducer(LocalReducer):
 
 
 _COLLECTIVES = ("combine_sequences", "reduce_totals", "sum_totals")
-_UNTRACED = []
 
 
+@functools.lru_cache(maxsize=None)  # once per process
 def _collectives_untraced() -> None:
     """``torch.compiler.disable`` on :class:`DistributedReducer`'s collectives, once, at its first instance: the
     compiled engine (``compiled.py``) breaks its graph there and the collectives run eagerly between its graphs.
     Not at import: ``torch.compiler.disable`` imports ``torch._dynamo`` (~1.1 s of the ~2.2 s that ``import
     slime_rc`` took), which a process that never reduces across ranks (the CLI, a launch refused, the tools) need
     not pay; a compiled call that reduces across ranks is handed an instance, so it comes after this."""
-    if not _UNTRACED:
-        for name in _COLLECTIVES:
-            setattr(DistributedReducer, name, torch.compiler.disable(getattr(DistributedReducer, name)))
-        _UNTRACED.append(True)
+    for name in _COLLECTIVES:
+        setattr(DistributedReducer, name, torch.compiler.disable(getattr(DistributedReducer, name)))
 
 
 _HOST_GROUPS: Dict[Tuple[int, ...], Any] = {}
