@@ -15,7 +15,9 @@ hook runs BEFORE slime adds its own flags, so it leaves out the flags slime (or 
 the attributes slime's YAML keys use (``args.use_rs``, ``args.tis_level``, ...).  It tells it runs inside slime
 from the calling frames (:func:`called_by_slime`); ``slime=True`` / ``slime=False`` forces either way.  slime then
 copies the YAML onto ``args`` after parsing, so there the YAML beats the flags: ``resolve_args(args,
-slime=True)`` applies that precedence (``slime-rc config --slime`` prints it).
+slime=True)`` applies that precedence (``slime-rc config --slime`` prints it).  Between the two, slime's validation
+fills some attributes we read from others (:data:`SLIME_FILLS`: ``eps_clip_high`` from ``eps_clip``); with
+``slime=True`` such a filled value counts as slime's default, not as a flag the user gave.
 """
 
 from __future__ import annotations
@@ -99,6 +101,12 @@ OTHER_FLAGS: Dict[str, Tuple[Dict[str, Any], str]] = {f.flag: (_argparse_kwargs(
 SLIME_OWNED_FLAGS: Dict[str, Dict[str, Any]] = {f.flag: f.slime_defines for f in ALL_FLAGS if f.slime_defines}
 # The module whose add_slime_arguments calls the add_custom_arguments hook.
 SLIME_PARSER_MODULE = "slime.utils.arguments"
+# What slime's validation fills in on the attributes we read, after parsing and BEFORE it copies the YAML onto args:
+# attribute -> the attribute whose value it takes when the flag was not given (slime/utils/arguments.py at
+# 624b824a8, slime_validate_args, ~line 1876: ``if args.eps_clip_high is None: args.eps_clip_high = args.eps_clip``).
+# Checked against slime's real parse_args: no other attribute we read is changed by slime's, Megatron-LM's or
+# sglang's validation (slime's --use-rollout-routing-replay sets use_routing_replay, which we do not read).
+SLIME_FILLS: Dict[str, str] = {"eps_clip_high": "eps_clip"}
 
 
 def called_by_slime(depth: int = 1) -> bool:
@@ -151,11 +159,37 @@ def add_slime_owned_arguments(parser: argparse.ArgumentParser) -> argparse.Argum
     return parser
 
 
-def _given(args: argparse.Namespace, flag: str) -> Any:
-    """The value of ``flag`` if it was given on the command line, else None."""
-    dest, default = (getattr(args, "slime_rc_shared_flags", None) or {}).get(dest_of(flag), (dest_of(flag), None))
+def _flag_record(args: argparse.Namespace, flag: str) -> Tuple[str, Any]:
+    """``(attribute, the parser's default)`` of ``flag`` (the default is None for our own flags)."""
+    return (getattr(args, "slime_rc_shared_flags", None) or {}).get(dest_of(flag), (dest_of(flag), None))
+
+
+def _given(args: argparse.Namespace, flag: str, *, slime: bool = False, from_yaml: frozenset = frozenset()) -> Any:
+    """The value of ``flag`` if it was given on the command line, else None.  ``slime``: ``args`` went through
+    slime's validation, and a value it filled in (:func:`filled_by_slime`) is not given either; ``from_yaml``: the
+    attributes the ``--custom-config-path`` YAML set (slime copies them after its validation)."""
+    dest, default = _flag_record(args, flag)
     value = getattr(args, dest, None)
-    return None if value == default else value
+    if value == default or (slime and filled_by_slime(args, dest, from_yaml)):
+        return None
+    return value
+
+
+def filled_by_slime(args: argparse.Namespace, dest: str, from_yaml: frozenset = frozenset()) -> bool:
+    """Whether ``args.<dest>`` may be the value slime's validation filled in (:data:`SLIME_FILLS`) rather than a
+    flag: it equals the attribute it is filled from, as that attribute was when slime's validation ran -- the value on
+    ``args``, or, when the YAML (``from_yaml``) has since overwritten it, its flag's default (``--eps-clip`` 0.2).
+
+    A flag given with that same value (``--eps-clip-high 0.2`` beside the default ``--eps-clip``) cannot be told
+    apart and counts as not given: it means what leaving it out means (``eps_clip_high`` unset is ``eps_clip``).  So
+    does ``--eps-clip-high`` equal to an ``--eps-clip`` that the YAML then replaces by another value; an
+    ``eps_clip_high`` written in the YAML is always the user's."""
+    source = SLIME_FILLS.get(dest)
+    if source is None or dest in from_yaml:
+        return False
+    if source in from_yaml:
+        return getattr(args, dest, None) == _flag_record(args, "--" + source.replace("_", "-"))[1]
+    return getattr(args, dest, None) == getattr(args, source, None)
 
 
 def resolve_args(args: argparse.Namespace, *, slime: bool = False) -> Resolution:
@@ -164,19 +198,21 @@ def resolve_args(args: argparse.Namespace, *, slime: bool = False) -> Resolution
     ``slime``: the resolution slime applies — the YAML beats the flags (slime copies it onto ``args`` after
     parsing) and is read as slime reads it (:func:`slime_rc.config.yaml_config.load_yaml_layer`).  ``args`` may already
     hold the YAML's values (slime's own ``args``, after its parse_args): an attribute the YAML names counts as the
-    YAML's, not as a flag."""
+    YAML's, not as a flag, and a value slime's validation filled in (``eps_clip_high`` = ``eps_clip``:
+    :func:`filled_by_slime`) as slime's default, so that slime's ``args`` resolve as the same flags given by hand."""
     layers: List[Layer] = []
     preset = _given(args, "--rollout-correction-preset")
     if preset:
         layers.append(preset_layer(preset))
     path = _given(args, "--custom-config-path")
-    from_yaml = set()
+    from_yaml: frozenset = frozenset()
     if path:
         layers.append(load_yaml_layer(path, slime=slime))
         if slime:  # slime's args may hold the YAML's values already: those attributes are the YAML's, not flags
-            from_yaml = set(layers[-1].names.values()) | set(layers[-1].ignored)
-    given = {key: _given(args, flag) for flag, (key, _, _) in FLAGS.items()
-             if _given(args, flag) is not None and dest_of(flag) not in from_yaml}
+            from_yaml = frozenset(layers[-1].names.values()) | frozenset(layers[-1].ignored)
+    given = {key: value for flag, (key, _, _) in FLAGS.items()
+             if (value := _given(args, flag, slime=slime, from_yaml=from_yaml)) is not None
+             and dest_of(flag) not in from_yaml}
     flag_of = {key: flag for flag, (key, _, _) in FLAGS.items()}
     def spelled(key):  # what the user typed: --no-use-tis for a False boolean
         flag = flag_of.get(key, key)
