@@ -26,6 +26,10 @@ What it models, in slime's order:
    YAML beats the flags and comes after everything above.
 3. Nothing later (Megatron-LM's and sglang's ``validate_args``) changes an attribute slime-rc reads.
 
+It also states, as facts, the names of slime's parser the tests need (:data:`SLIME_SHARED_FLAGS`: the flags slime
+defines that slime-rc defines too; :data:`SLIME_LACKS_FLAGS`: slime-rc's flags slime lacks;
+:data:`SLIME_ARG_NAMES_NEAR_OURS`: slime's arg names closest to slime-rc's YAML keys), read off slime's real parser.
+
 Left out: the steps on attributes slime-rc does not read (checkpoint paths, the sglang and Megatron-LM arguments,
 batch sizes, offloading, ...); ``--use-kl-loss`` / ``--kl-coef`` make slime check that ``--ref-load`` exists (~1776),
 which is not modelled.
@@ -35,7 +39,7 @@ from __future__ import annotations
 
 import argparse
 import types
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
@@ -78,6 +82,42 @@ SLIME_FLAGS: Dict[str, Tuple[Dict[str, Any], int]] = {
 }
 # Megatron-LM's flags slime-rc reads (megatron/training/arguments.py at 1dcf0daf; slime's reset_arg keeps it, ~879)
 MEGATRON_FLAGS: Dict[str, Dict[str, Any]] = {"--calculate-per-token-loss": _TRUE}
+
+
+# ---- names of slime's parser, as facts ----------------------------------------------------------------------------
+# slime's flag and arg names at 624b824a8 (slime's flags, Megatron-LM 1dcf0daf's with slime's Megatron patch
+# docker/patch/latest/megatron.patch; sglang's are all --sglang-*): these are slime's flag names, read off slime's real
+# parser (893 option strings, 948 arg names) while they were written here -- not a copy of slime's code -- and only
+# those the tests need.
+#
+# The flags slime's parser defines that slime-rc defines too: slime's add_algo_arguments (--eps-clip, --eps-clip-high,
+# --eps-clip-c, --get-mismatch-metrics, --use-rollout-logprobs, --use-tis, --tis-clip, --tis-clip-low,
+# --custom-tis-function-path), Megatron-LM's --calculate-per-token-loss (reset_arg keeps it) and --custom-config-path
+# (reset_arg at the end of add_slime_arguments).  Every other slime-rc flag is absent from slime's parser.
+SLIME_SHARED_FLAGS = frozenset({
+    "--calculate-per-token-loss", "--custom-config-path", "--custom-tis-function-path", "--eps-clip", "--eps-clip-c",
+    "--eps-clip-high", "--get-mismatch-metrics", "--tis-clip", "--tis-clip-low", "--use-rollout-logprobs", "--use-tis",
+})
+# slime-rc's flags that slime's parser does NOT define (each looked up in slime's option strings): inside slime our
+# hook defines them, on the attributes slime's YAML keys use.  A new slime-rc flag belongs in one of the two sets
+# after it was looked up in slime's parser.
+SLIME_LACKS_FLAGS = frozenset({
+    "--rollout-correction-loss-type", "--rollout-correction-on-nonfinite", "--rollout-correction-preset",
+    "--rollout-correction-quantile-bins", "--rollout-correction-rejected-in-denominator",
+    "--rollout-correction-safety-bound", "--rs-level", "--rs-lower-bound", "--rs-upper-bound", "--rs-veto-threshold",
+    "--tis-batch-normalize", "--tis-level", "--tis-lower-bound", "--tis-mode", "--tis-upper-bound",
+    "--use-rollout-correction", "--use-rs",
+})
+# slime's arg names (attributes; a YAML key of that name lands on them) that a slime-rc YAML-key check must leave
+# alone: those a shared YAML commonly holds (slime's use_kl_loss, kl_coef, use_opsm, advantage_estimator, ...) and
+# every arg name of slime's parser that is closest to a slime-rc YAML spelling: within two edits of near_miss's
+# cutoff (slime_rc.config._text.near_miss) for some spelling -- Megatron-LM's test_mode is 2 edits from tis_mode.
+# No arg name of slime's parser is within the cutoff itself.
+SLIME_ARG_NAMES_NEAR_OURS = (
+    "use_kl_loss", "kl_coef", "eps_clip", "use_opsm", "loss_type", "advantage_estimator",
+    "test_mode", "kl_loss_type", "lr", "mask_type", "opd_type", "qk_clip", "rope_type", "use_opd", "rollout_seed",
+    "rollout_stop",
+)
 
 
 def _attribute(flag: str) -> str:
@@ -139,8 +179,16 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
 def parse(argv: Sequence[str] = (), *, hook=add_rollout_correction_arguments) -> argparse.Namespace:
     """slime's ``args`` for the launch line ``argv``: :func:`parser` (with ``hook``; None: slime without our hook)
     then :func:`validate`.  Flags that nobody defines are dropped, as slime's ``parse_known_args`` drops them."""
-    args, _ = parser(hook).parse_known_args(list(argv))
-    return validate(args)
+    return parse_known_args(argv, hook=hook)[0]
+
+
+def parse_known_args(argv: Sequence[str] = (), *, hook=add_rollout_correction_arguments,
+                     validated: bool = True) -> Tuple[argparse.Namespace, List[str]]:
+    """:func:`parse` that also returns what slime's ``parse_known_args`` dropped (the flags nobody defines, in
+    ``argv``'s order).  ``validated=False``: ``args`` as the parser leaves them, before :func:`validate` (no
+    ``eps_clip_high`` filled in, no YAML copied)."""
+    args, unknown = parser(hook).parse_known_args(list(argv))
+    return (validate(args) if validated else args), unknown
 
 
 def by_hand(yaml_path: Optional[str] = None, **attributes: Any) -> argparse.Namespace:
