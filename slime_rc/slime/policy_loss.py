@@ -292,12 +292,14 @@ def policy_loss_function(args: Any, batch: Dict[str, Any], logits: torch.Tensor,
     kl_coef = float(getattr(args, "kl_loss_coef", 0.0) or 0.0)
 
     # every row of the logits, as slime does: selecting the response rows first would copy them ([N, V]), and
-    # slicing would make backward fill a zero [T, V] gradient; the other rows' gradient is 0 either way
+    # indexing (logits[0]) or slicing would make backward fill a zero [T, V] gradient (a view's backward is free);
+    # the other rows' gradient is 0 either way
     targets = torch.zeros(logits.shape[1], dtype=torch.int64, device=dev).index_copy_(0, layout.rows,
                                                                                         layout.targets)
     chunk = int(getattr(args, "log_probs_chunk_size", -1) or -1)
-    log_probs, entropy = vocab_parallel_log_probs(logits[0], targets, temperature, with_entropy=True,
-                                                  entropy_grad=entropy_coef != 0, chunk_rows=chunk)
+    log_probs, entropy = vocab_parallel_log_probs(logits.reshape(-1, logits.shape[-1]), targets, temperature,
+                                                  with_entropy=True, entropy_grad=entropy_coef != 0,
+                                                  chunk_rows=chunk)
     log_probs, entropy = log_probs.index_select(0, layout.rows), entropy.index_select(0, layout.rows)
     advantages = layout.tokens(batch, "advantages")
     rollout = layout.tokens(batch, "rollout_log_probs",

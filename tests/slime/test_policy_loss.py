@@ -395,3 +395,20 @@ def test_dotted_path_loads_as_slime_loads_it():
     code = ("import sys, slime_rc.slime; print(any(m == 'megatron' or m.startswith('megatron.') "
             "for m in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("entropy_coef,bound", [(0.0, 14), (0.01, 17)])
+def test_the_loss_moves_over_the_vocabulary_only_what_the_log_prob_pass_does(entropy_coef, bound):
+    """Forward + backward of the whole custom loss, in float32 ``[T, V]`` passes: the log-prob function's 8 + 6 (9
+    with the entropy's gradient, tests/megatron/test_logprobs.py) and nothing more -- no copy of the response rows,
+    no zero-filled ``[1, T, V]`` gradient from indexing the logits, no other vocabulary-sized intermediate."""
+    from slime_rc.slime import policy_loss_function
+    from slime_rc.testing.traffic import VocabTraffic
+
+    batch, logits = make_batch(3)
+    width = 97  # wider than any other dimension here; the token ids stay < V
+    x = (torch.randn(1, logits.shape[1], width, generator=torch.Generator().manual_seed(4)) * 1.5).requires_grad_()
+    with VocabTraffic(width) as traffic:
+        loss, _ = policy_loss_function(slime_args(entropy_coef=entropy_coef), batch, x, None)
+        loss.backward()
+    assert bound - 1 < traffic.passes(x.numel() * 4) <= bound + 0.1, dict(traffic.by_op)
