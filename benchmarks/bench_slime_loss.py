@@ -60,6 +60,9 @@ Contenders (each on the same batch; flags are slime's)
  9. ours, correction off, ``--entropy-coef 0.01``
 10. ours with slime's ``mis.yaml`` (IS + RS + veto + batch norm in our loss: the settings of 3 and 4)
 11. ours with ``--log-probs-chunk-size 4096``
+12. 5 and 13. 9 with ``SLIME_RC_FUSED_LOGPROBS=0``: on a GPU with Triton, ours uses the fused log-prob kernels
+    (``slime_rc/megatron/logprobs_triton.py``); these two keep the eager chunked path.  On the CPU all of ours are
+    eager.
 (7 and 11 chunk only where T > 4096: at the CPU default they time the unchunked path again.)
 And rows timed alone, outside slime's loss, on the inputs slime hands a TIS function (contender 3's ``args``,
 ``pg_loss`` a float32 leaf with gradient, the batch's lists):
@@ -148,6 +151,7 @@ for path in (ROOT, HERE):
 
 import bench_correction as bench  # noqa: E402  (sync, host_syncs, stream_syncs)
 
+from slime_rc.megatron.logprobs import FUSED_ENV  # noqa: E402
 from slime_rc.testing.traffic import VocabTraffic  # noqa: E402
 
 GiB = 1024 ** 3
@@ -179,6 +183,10 @@ def contenders(slime_src: str) -> List[dict]:
         dict(n=9, label="ours, --entropy-coef 0.01", flags=OURS + ["--entropy-coef", "0.01"], ref=8),
         dict(n=10, label="ours, mis.yaml", flags=OURS + ["--custom-config-path", yaml_path], ref=3),
         dict(n=11, label="ours --log-probs-chunk-size 4096", flags=OURS + ["--log-probs-chunk-size", "4096"], ref=1),
+        # on a GPU with Triton the contenders above use the fused log-prob kernels; these keep the eager chunks
+        dict(n=12, label="ours, correction off, eager log-probs", flags=OURS, ref=1, env={FUSED_ENV: "0"}),
+        dict(n=13, label="ours, --entropy-coef 0.01, eager log-probs", flags=OURS + ["--entropy-coef", "0.01"],
+             ref=8, env={FUSED_ENV: "0"}),
     ]
 
 
@@ -196,6 +204,7 @@ ALONE = [  # rows timed alone: key, label
 _STUBS = {  # module -> attributes; only where the top-level package is not installed
     "sglang": {}, "sglang.srt": {}, "sglang.srt.server_args": {"ServerArgs": type("ServerArgs", (), {})},
     "sglang_router": {}, "sglang_router.launch_router": {"RouterArgs": type("RouterArgs", (), {})},
+    "wandb": {},  # slime's logging module imports it; nothing here logs to it
 }
 
 
@@ -399,6 +408,7 @@ class Case:
             row = dict(c, error=None)
             try:
                 row["args"] = slime_args(slime, c["flags"])
+                row["args"].bench_env = c.get("env") or {}  # set around each call (step)
             except BaseException as e:  # noqa: BLE001 - the row reports it
                 row["error"] = "args: " + _first_line(e)
             self.rows[c["n"]] = row
@@ -406,6 +416,19 @@ class Case:
 
     # one call of a loss contender ------------------------------------------------------------------------------
     def step(self, args, keep: Optional[dict] = None):
+        env = getattr(args, "bench_env", None) or {}
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            return self._step(args, keep)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    def _step(self, args, keep: Optional[dict] = None):
         loss_function = self.slime.loss.loss_function
         logits = self.leaf.float()
         if keep is not None:

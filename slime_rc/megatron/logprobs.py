@@ -22,17 +22,23 @@ logits (``vocab_parallel_cross_entropy`` overwrites fp32 logits).
 
 Traffic over ``[rows, V]`` per forward + backward, in passes of the logits' size: forward 8 with the entropy (max;
 ``s``; ``exp``; ``sum``; ``sum exp * s`` reads two), 6 without; backward 6 (``log p``; ``exp``; scale), 9 with the
-entropy's gradient.
+entropy's gradient.  On a GPU with Triton, :mod:`slime_rc.megatron.logprobs_triton` fuses each direction into one
+kernel (3 passes in all).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
 
+from slime_rc.megatron.tensor_parallel import tensor_parallel
+
 # rows per chunk when the caller gives none: about 64M logits (256 MiB of float32 scratch per buffer)
 CHUNK_ELEMENTS = 1 << 26
+# "0" keeps the eager path on a GPU (the fused Triton kernels of logprobs_triton are used where they can run)
+FUSED_ENV = "SLIME_RC_FUSED_LOGPROBS"
 
 
 def vocab_parallel_log_probs(logits: torch.Tensor, target: torch.Tensor, temperature: float = 1.0, *,
@@ -44,7 +50,11 @@ def vocab_parallel_log_probs(logits: torch.Tensor, target: torch.Tensor, tempera
     ``with_entropy``: also the entropy of each position's distribution over the whole vocabulary: returns
     ``(log_probs, entropy)``; ``entropy_grad=False`` returns it without a gradient (and backward does not compute
     one).  ``chunk_rows``: rows per chunk (slime's ``--log-probs-chunk-size``); ``None`` or ``<= 0`` picks about
-    ``CHUNK_ELEMENTS`` logits per chunk.  The gradient of ``logits`` has their dtype; the arithmetic is float32."""
+    ``CHUNK_ELEMENTS`` logits per chunk.  The gradient of ``logits`` has their dtype; the arithmetic is float32.
+
+    On a GPU with Triton the same function runs as two fused kernels (:mod:`slime_rc.megatron.logprobs_triton`: one
+    read of the logits forward, one read and one write backward; chunks do not apply); ``SLIME_RC_FUSED_LOGPROBS=0``
+    keeps this module's eager chunks."""
     if not temperature > 0:
         raise ValueError(f"temperature={temperature!r} must be > 0 (use the rollout engine's sampling temperature)")
     v_local = logits.shape[-1]
@@ -57,8 +67,13 @@ def vocab_parallel_log_probs(logits: torch.Tensor, target: torch.Tensor, tempera
                          f"{tuple(logits.shape)}; one target id per position")
     if chunk_rows is None or chunk_rows <= 0:
         chunk_rows = max(1, CHUNK_ELEMENTS // max(v_local, 1))
-    log_probs, entropy = _LogProbsEntropy.apply(rows, flat_target, 1.0 / float(temperature), int(chunk_rows),
-                                                with_entropy, with_entropy and entropy_grad)
+    function = _LogProbsEntropy
+    if rows.device.type == "cuda" and os.environ.get(FUSED_ENV, "1") != "0":
+        from slime_rc.megatron import logprobs_triton  # imports Triton only here, on a GPU
+        if logprobs_triton.available(rows):
+            function = logprobs_triton.TritonLogProbsEntropy
+    log_probs, entropy = function.apply(rows, flat_target, 1.0 / float(temperature), int(chunk_rows),
+                                        with_entropy, with_entropy and entropy_grad)
     log_probs = log_probs.reshape(target.shape)
     if with_entropy:
         return log_probs, entropy.reshape(target.shape)
@@ -71,7 +86,7 @@ class _LogProbsEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows, target, inv_t, chunk, with_entropy, entropy_grad):
-        tp_size, tp_rank, group = _tensor_parallel()
+        tp_size, tp_rank, group = tensor_parallel()
         n_rows, v_local = rows.shape
         dev = rows.device
         start = tp_rank * v_local
@@ -142,14 +157,3 @@ class _LogProbsEntropy(torch.autograd.Function):
                 grad[a:b].copy_(out)
         return grad, None, None, None, None, None
 
-
-def _tensor_parallel():
-    try:
-        from megatron.core import parallel_state as ps
-        if ps.model_parallel_is_initialized():
-            size = ps.get_tensor_model_parallel_world_size()
-            if size > 1:
-                return size, ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
-    except ImportError:
-        pass
-    return 1, 0, None
