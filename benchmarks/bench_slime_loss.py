@@ -231,7 +231,7 @@ def import_slime(slime_src: str) -> types.SimpleNamespace:
     arguments = importlib.import_module("slime.utils.arguments")
     cp_utils = importlib.import_module("slime.backends.megatron_utils.cp_utils")
     return types.SimpleNamespace(src=src, loss=loss, arguments=arguments, cp_utils=cp_utils, stubbed=stubbed,
-                                 commit=_git(src, "rev-parse", "HEAD") or "unknown (no git metadata)")
+                                 commit=_slime_commit(src))
 
 
 def slime_args(slime, flags: Sequence[str]) -> argparse.Namespace:
@@ -635,6 +635,15 @@ def _git(path: str, *cmd: str) -> Optional[str]:
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else None
+
+
+def _slime_commit(src: str) -> str:
+    """slime's commit from ``src``'s own git metadata; a checkout inside another repository (an archive extracted
+    into this one, as for the device machine) has none of its own."""
+    top = _git(src, "rev-parse", "--show-toplevel")
+    if top is None or os.path.realpath(top) != os.path.realpath(src):
+        return "unknown (no git metadata)"
+    return _git(src, "rev-parse", "HEAD") or "unknown (no git metadata)"
 
 
 def header(slime, device: torch.device, threads: int) -> dict:
