@@ -15,8 +15,9 @@ kernel that reads its input twice counts once.
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
-from typing import Optional
+from typing import Iterator, List, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -100,3 +101,18 @@ class VocabTraffic(TorchDispatchMode):
     def passes(self, unit_bytes: int) -> float:
         """Bytes moved in units of ``unit_bytes`` (e.g. one float32 ``[T, V]`` tensor)."""
         return self.total / unit_bytes
+
+
+@contextlib.contextmanager
+def saved_for_backward(width: int) -> Iterator[List[torch.Tensor]]:
+    """The tensors autograd saves for backward inside the block that have ``width`` among their dimensions (what a
+    vocabulary pass keeps alive between forward and backward), in a list filled as they are saved."""
+    wide: List[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if width in t.shape:
+            wide.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield wide

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from slime_rc.megatron.logprobs import vocab_parallel_log_probs
-from slime_rc.testing.traffic import VocabTraffic
+from slime_rc.testing.traffic import VocabTraffic, saved_for_backward
 from tests.dist_utils import run_distributed
 
 ROWS, VOCAB = 45, 96  # VOCAB splits into 2 and 4 shards; ROWS into 4 zigzag chunks unevenly
@@ -31,12 +31,13 @@ def unfused(logits: torch.Tensor, target: torch.Tensor, temperature: float):
     return log_probs, total.log() - (exp * shifted).sum(-1) / total
 
 
-def _data(seed: int = 0, dtype=torch.float32):
+def _data(seed: int = 0, dtype=torch.float32, rows: int = ROWS, vocab: int = VOCAB):
+    """``(logits [rows, vocab], target [rows], d objective / d log-probs, d objective / d entropy)``."""
     g = torch.Generator().manual_seed(seed)
-    logits = (torch.randn(ROWS, VOCAB, generator=g, dtype=torch.float64) * 4).to(dtype)
-    target = torch.randint(0, VOCAB, (ROWS,), generator=g)
-    grad_lp = torch.randn(ROWS, generator=g, dtype=torch.float64).float()
-    grad_h = torch.randn(ROWS, generator=g, dtype=torch.float64).float()
+    logits = (torch.randn(rows, vocab, generator=g, dtype=torch.float64) * 4).to(dtype)
+    target = torch.randint(0, vocab, (rows,), generator=g)
+    grad_lp = torch.randn(rows, generator=g, dtype=torch.float64).float()
+    grad_h = torch.randn(rows, generator=g, dtype=torch.float64).float()
     return logits, target, grad_lp, grad_h
 
 
@@ -87,14 +88,7 @@ def test_saves_nothing_vocabulary_sized_but_the_logits():
     per-row vectors -- not the softmax, the shifted logits or their exponential."""
     logits, target, *_ = _data(3)
     x = logits.clone().requires_grad_()
-    wide = []
-
-    def pack(t):
-        if VOCAB in t.shape:
-            wide.append(t)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_for_backward(VOCAB) as wide:
         lp, h = vocab_parallel_log_probs(x, target, TEMPERATURE, with_entropy=True, chunk_rows=8)
         (lp.sum() + h.sum()).backward()
     assert wide, "the logits themselves must be saved (backward recomputes from them)"

@@ -29,7 +29,9 @@ import torch
 
 from slime_rc.megatron import logprobs_triton as lt
 from slime_rc.megatron.logprobs import vocab_parallel_log_probs
+from slime_rc.testing.traffic import saved_for_backward
 from tests.dist_utils import run_distributed
+from tests.megatron.test_logprobs import _data as logprobs_data
 
 ROWS, VOCAB = 37, 300  # 300 = 2 x 128 + 44: a partial last tile; 300 splits into 2 shards of 150 (2 tiles each)
 BLOCK = 128
@@ -40,12 +42,7 @@ DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 
 # ---- helpers -------------------------------------------------------------------------------------------------------
 def _data(seed: int = 0, dtype=torch.float32, rows: int = ROWS, vocab: int = VOCAB):
-    g = torch.Generator().manual_seed(seed)
-    logits = (torch.randn(rows, vocab, generator=g, dtype=torch.float64) * 4).to(dtype)
-    target = torch.randint(0, vocab, (rows,), generator=g)
-    grad_lp = torch.randn(rows, generator=g, dtype=torch.float64).float()
-    grad_h = torch.randn(rows, generator=g, dtype=torch.float64).float()
-    return logits, target, grad_lp, grad_h
+    return logprobs_data(seed, dtype, rows, vocab)
 
 
 def _grads(fn, logits, target, grad_lp, grad_h, entropy_grad: bool, device=DEVICE):
@@ -138,14 +135,7 @@ def _kernel_results(device: str) -> dict:
 
     logits, target, *_ = _data(6)  # what autograd saves
     x = logits.to(device).requires_grad_()
-    wide = []
-
-    def pack(t):
-        if VOCAB in t.shape:
-            wide.append(t)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_for_backward(VOCAB) as wide:
         lp, h = _triton_fn(TEMPERATURE, True, True)(x, target.to(device))
         (lp.sum() + h.sum()).backward()
     out["saved"] = [t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for t in wide]
