@@ -63,6 +63,8 @@ Contenders (each on the same batch; flags are slime's)
 12. 5 and 13. 9 with ``SLIME_RC_FUSED_LOGPROBS=0``: on a GPU with Triton, ours uses the fused log-prob kernels
     (``slime_rc/megatron/logprobs_triton.py``); these two keep the eager chunked path.  On the CPU all of ours are
     eager.
+14. slime's own + ``--custom-tis-function-path custom_tis.metrics_only.compute_metrics_only_with_cp
+    --get-mismatch-metrics`` (monitoring only: must agree with 1 exactly)
 (7 and 11 chunk only where T > 4096: at the CPU default they time the unchunked path again.)
 And rows timed alone, outside slime's loss, on the inputs slime hands a TIS function (contender 3's ``args``,
 ``pg_loss`` a float32 leaf with gradient, the batch's lists):
@@ -157,6 +159,7 @@ from slime_rc.testing.traffic import VocabTraffic  # noqa: E402
 GiB = 1024 ** 3
 OURS = ["--loss-type", "custom_loss", "--custom-loss-function-path", "slime_rc.slime.policy_loss_function"]
 OUR_TIS = "custom_tis.mis.compute_mis_weights_with_cp"
+METRICS_ONLY = "custom_tis.metrics_only.compute_metrics_only_with_cp"
 EXAMPLE_TIS = "examples.train_infer_mismatch_helper.mis.compute_mis_weights_with_cp"
 MIS_YAML = os.path.join("examples", "train_infer_mismatch_helper", "mis.yaml")  # inside --slime-src
 GRAD_ROWS = 16
@@ -187,6 +190,9 @@ def contenders(slime_src: str) -> List[dict]:
         dict(n=12, label="ours, correction off, eager log-probs", flags=OURS, ref=1, env={FUSED_ENV: "0"}),
         dict(n=13, label="ours, --entropy-coef 0.01, eager log-probs", flags=OURS + ["--entropy-coef", "0.01"],
              ref=8, env={FUSED_ENV: "0"}),
+        # monitoring only: slime's own loss, the mismatch metrics logged, nothing corrected (bit-identical to 1)
+        dict(n=14, label="slime + custom_tis.metrics_only", ref=1,
+             flags=["--custom-tis-function-path", METRICS_ONLY, "--get-mismatch-metrics"]),
     ]
 
 

@@ -59,7 +59,12 @@ def _compute(args):
         compute.slime = False
         return compute
     check_shared_yaml(get(args, "custom_config_path"))
-    settings = mis_settings(args)
+    return slime_compute(mis_settings(args))
+
+
+def slime_compute(settings):
+    """``compute`` for :func:`run_with_cp` / :func:`run_lists` with slime's example semantics
+    (:func:`slime_rc.slime.mis.slime_mis`) under ``settings``."""
 
     def compute(batch, reducer, checks):
         r = slime_mis(settings, batch.train, batch.rollout, batch.mask, batch.cu_seqlens, reducer=reducer,

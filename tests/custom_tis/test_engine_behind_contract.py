@@ -365,5 +365,6 @@ def test_with_cp_rejects_wrong_lengths():
 def test_package_exports():
     assert set(custom_tis.__all__) == {
         "compute_mis_weights", "compute_mis_weights_with_cp", "compute_tis_weights", "compute_tis_weights_with_cp",
-        "compute_icepop_weights", "compute_icepop_weights_with_cp"}
+        "compute_icepop_weights", "compute_icepop_weights_with_cp", "compute_metrics_only",
+        "compute_metrics_only_with_cp"}
     assert custom_tis.compute_icepop_weights is compute_icepop_weights
