@@ -247,6 +247,7 @@ def test_log_probs_on_the_device_equal_the_cpu(fused, dtype, entropy_grad, monke
     of two sums; the CPU's own float32 path was 3e-6 off on an H200 run, both device paths alike) and for the
     gradient through it, bf16 gradients to bf16 rounding."""
     from slime_rc.megatron.logprobs import FUSED_ENV, vocab_parallel_log_probs
+    from tests.megatron.test_logprobs import assert_rel, reference64
     monkeypatch.setenv(FUSED_ENV, fused)
     g = torch.Generator().manual_seed(7)
     rows, vocab, temperature = 300, 5003, 0.7
@@ -262,21 +263,15 @@ def test_log_probs_on_the_device_equal_the_cpu(fused, dtype, entropy_grad, monke
             return lp.detach(), h.detach(), x.grad
         return once
 
-    x64 = logits.double().requires_grad_(True)
-    log_p = torch.log_softmax(x64 / temperature, -1)
-    lp64, h64 = log_p.gather(-1, target[:, None])[:, 0], -(log_p.exp() * log_p).sum(-1)
-    ((lp64 * weights[0]).sum() + ((h64 * weights[1]).sum() if entropy_grad else 0)).backward()
-    want = (lp64.detach(), h64.detach(), x64.grad)
+    want = reference64(logits, target, temperature, weights[0], weights[1], entropy_grad)
     got = run_checked(call(to(logits), to(target), to(weights)), "reject")
     for w, d, what in zip(want, got, ("log-probs", "entropy", "gradient")):
         assert d.device.type == DEVICE.type, what
         assert d.dtype == (dtype if what == "gradient" else torch.float32), what
-        scale = float(w.abs().max())
-        err = float((d.detach().cpu().double() - w).abs().max())
         # the entropy's gradient p (log p + H) carries H's float32 error
         tol = {"entropy": 1e-5, "gradient": 1e-2 if dtype == torch.bfloat16 else 1e-5 if entropy_grad else 3e-6
                }.get(what, 3e-6)
-        assert err <= tol * scale, f"{what}: {err:.2e} > {tol:.0e} x {scale:.3g}"
+        assert_rel(d.detach().cpu(), w, what, tol)
 
 
 # ---- slime's custom loss ------------------------------------------------------------------------------------------

@@ -50,8 +50,22 @@ def _grads(fn, logits, target, grad_lp, grad_h, entropy_grad: bool):
 
 
 def assert_rel(got, want, what, tol=1e-6):
+    """``max |got - want| <= tol * max |want|`` (NaN anywhere fails)."""
     err = float((got.double() - want.double()).abs().max() / want.double().abs().max().clamp(min=1e-30))
     assert err <= tol, f"{what}: relative error {err:.2e} > {tol:.0e}"
+
+
+def reference64(logits, target, temperature, grad_lp, grad_h, entropy_grad: bool):
+    """Float64 truth: log-probs, entropy (``0 log 0 = 0`` at ``-inf`` logits) and the gradient of
+    ``sum lp * grad_lp (+ sum h * grad_h)``."""
+    x = logits.double().requires_grad_()
+    log_p = torch.log_softmax(x / temperature, dim=-1)
+    lp = log_p.gather(-1, target[:, None]).squeeze(-1)
+    # p log p with 0 log 0 = 0, its gradient too (a where() after the product would back-propagate 0 * -inf)
+    h = -(log_p.exp() * torch.where(log_p == float("-inf"), torch.zeros_like(log_p), log_p)).sum(-1)
+    objective = (lp * grad_lp.double()).sum() + ((h * grad_h.double()).sum() if entropy_grad else 0)
+    (g,) = torch.autograd.grad(objective, x)
+    return lp.detach(), h.detach(), g
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -31,7 +31,7 @@ from slime_rc.megatron import logprobs_triton as lt
 from slime_rc.megatron.logprobs import vocab_parallel_log_probs
 from slime_rc.testing.traffic import saved_for_backward
 from tests.dist_utils import run_distributed
-from tests.megatron.test_logprobs import _data as logprobs_data
+from tests.megatron.test_logprobs import _data as logprobs_data, assert_rel, reference64
 
 ROWS, VOCAB = 37, 300  # 300 = 2 x 128 + 44: a partial last tile; 300 splits into 2 shards of 150 (2 tiles each)
 BLOCK = 128
@@ -65,24 +65,6 @@ def _eager_fn(temperature: float, with_entropy: bool, entropy_grad: bool):
         out = vocab_parallel_log_probs(x, t, temperature, with_entropy=with_entropy, entropy_grad=entropy_grad)
         return out if with_entropy else (out, torch.empty(0))
     return fn
-
-
-def _reference64(logits, target, temperature, grad_lp, grad_h, entropy_grad: bool):
-    """Float64 truth: log-probs, entropy (``0 log 0 = 0`` at ``-inf`` logits) and the gradient."""
-    x = logits.double().requires_grad_()
-    log_p = torch.log_softmax(x / temperature, dim=-1)
-    lp = log_p.gather(-1, target[:, None]).squeeze(-1)
-    # p log p with 0 log 0 = 0, its gradient too (a where() after the product would back-propagate 0 * -inf)
-    h = -(log_p.exp() * torch.where(log_p == float("-inf"), torch.zeros_like(log_p), log_p)).sum(-1)
-    objective = (lp * grad_lp.double()).sum() + ((h * grad_h.double()).sum() if entropy_grad else 0)
-    (g,) = torch.autograd.grad(objective, x)
-    return lp.detach(), h.detach(), g
-
-
-def assert_rel(got, want, what, tol=1e-6):
-    """``max |got - want| <= tol * max |want|`` (NaN anywhere fails)."""
-    err = float((got.double() - want.double()).abs().max() / want.double().abs().max().clamp(min=1e-30))
-    assert err <= tol, f"{what}: relative error {err:.2e} > {tol:.0e}"
 
 
 # ---- the kernels' results: computed once, in a fresh process under the interpreter where there is no GPU -------
@@ -175,7 +157,7 @@ def test_equals_the_eager_path(results, dtype, temperature, entropy_grad):
     ours = results[("eager", dtype, temperature, entropy_grad)]
     eager = _grads(_eager_fn(temperature, True, entropy_grad), logits, target, grad_lp, grad_h, entropy_grad,
                    device="cpu")
-    truth = _reference64(logits, target, temperature, grad_lp, grad_h, entropy_grad)
+    truth = reference64(logits, target, temperature, grad_lp, grad_h, entropy_grad)
     assert_rel(ours[0], eager[0], "log-probs")
     assert_rel(ours[1], eager[1], "entropy")
     vs_truth, vs_eager = GRAD_TOL[getattr(torch, dtype)]
@@ -230,7 +212,7 @@ def test_masked_logits(results, entropy_grad):
     there: ``0 * -inf``.)"""
     logits, target, grad_lp, grad_h = _masked_data(5)
     ours = results[("masked", entropy_grad)]
-    truth = _reference64(logits, target, TEMPERATURE, grad_lp, grad_h, entropy_grad)
+    truth = reference64(logits, target, TEMPERATURE, grad_lp, grad_h, entropy_grad)
     for got, want, what in zip(ours, truth, ("log-probs", "entropy", "gradient")):
         assert bool(torch.isfinite(got).all()), what
         assert_rel(got, want, what, 2e-6)
@@ -298,7 +280,7 @@ def test_tensor_parallel_equals_the_eager_path():
             mp.setenv("TRITON_INTERPRET", "1")
         ranks = run_distributed(tp_worker, 2, timeout=300)
     for entropy_grad in (True, False):
-        truth = _reference64(logits, target, TEMPERATURE, grad_lp, grad_h, entropy_grad)
+        truth = reference64(logits, target, TEMPERATURE, grad_lp, grad_h, entropy_grad)
         for rank, per_rank in enumerate(ranks):
             ours, eager = per_rank[entropy_grad]["ours"], per_rank[entropy_grad]["eager"]
             cols = slice(rank * VOCAB // 2, (rank + 1) * VOCAB // 2)
