@@ -5,7 +5,8 @@ zeroes the token's loss; slime's denominators keep it).  Metrics ``tis`` (= r), 
 ``tis_abs`` (|r - 1|).  ``args.tis_clip`` defaults to 2.0 and ``args.tis_clip_low`` to 0 (slime's flag defaults).
 Elementwise: no collective under context parallelism.
 
-With a config resolved at launch by slime-rc (``args.rollout_correction_config``) slime-rc's engine applies instead.
+With a config resolved at launch by slime-rc (``args.rollout_correction_config``) the band is that config's IS bounds
+(its lower bound as given, 0 unset) -- still IcePop's band: weights outside it are zeroed, never clamped.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from slime_rc.slime.mis import SAFETY_BOUND, add_nonfinite_check
 from slime_rc.slime.settings import get
 
-from custom_tis._contract import engine_compute, launch_config, run_lists, run_with_cp
+from custom_tis._contract import launch_config, run_lists, run_with_cp
 
 
 def _bound(args, key: str, default: float) -> float:
@@ -30,10 +31,20 @@ def _bound(args, key: str, default: float) -> float:
     return float(value)
 
 
+def clip_bounds(args) -> tuple:
+    """``(tis_clip_low, tis_clip)``: slime's flags on ``args`` (defaults 0 and 2.0), or, with a config resolved at
+    launch (``args.rollout_correction_config``), the same two settings as that config holds them (its IS upper bound
+    and its lower bound as given, 0 when unset: slime's ``--tis-clip-low`` default)."""
+    config = launch_config(args)
+    if config is not None:
+        return (config.is_lower_bound or 0.0), config.is_upper_bound
+    return _bound(args, "tis_clip_low", 0.0), _bound(args, "tis_clip", 2.0)
+
+
 def ratio_compute(args, *, band: bool):
     """``compute`` for the contract helpers: slime's vanilla TIS (``band=False``: clamp) or IcePop (``band=True``:
-    zero outside the band), from ``args.tis_clip`` / ``args.tis_clip_low``."""
-    high, low = _bound(args, "tis_clip", 2.0), _bound(args, "tis_clip_low", 0.0)
+    zero outside the band), from ``args.tis_clip`` / ``args.tis_clip_low`` (:func:`clip_bounds`)."""
+    low, high = clip_bounds(args)
     if not low <= high:
         raise ValueError(f"tis_clip_low={low} must be <= tis_clip={high}.")
 
@@ -52,8 +63,7 @@ def ratio_compute(args, *, band: bool):
 
 
 def _compute(args):
-    config = launch_config(args)
-    return engine_compute(config) if config is not None else ratio_compute(args, band=True)
+    return ratio_compute(args, band=True)  # IcePop's band whoever resolved the bounds: one meaning
 
 
 def compute_icepop_weights(args, *, train_log_probs, rollout_log_probs, loss_masks):

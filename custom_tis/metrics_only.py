@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from slime_rc.slime.settings import get, settings_from_keys
+from slime_rc.slime.settings import SlimeMisSettings, get
 
 from custom_tis._contract import run_lists, run_with_cp
 from custom_tis.mis import slime_compute
@@ -51,4 +51,4 @@ def _compute(args):
             raise ValueError(f"{PATH}: args.{name}={value!r} asks for {what}, which this monitoring-only function "
                              f"would ignore; drop it to log the metrics only, or use "
                              f"--custom-tis-function-path custom_tis.mis.compute_mis_weights_with_cp to correct")
-    return slime_compute(settings_from_keys(()))  # nothing corrected: slime's example returns before IS / RS
+    return slime_compute(SlimeMisSettings())  # nothing corrected: slime's example returns before IS / RS

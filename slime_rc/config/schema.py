@@ -251,6 +251,16 @@ class RolloutCorrectionConfig(_PresetAliases):
         """
         return Stack([Layer.from_mapping(d)]).build(cls)
 
+    @classmethod
+    def from_yaml(cls, path: str, *, slime: bool = False) -> "RolloutCorrectionConfig":
+        """Build from a YAML file in slime's or verl's dialect (``--custom-config-path``), as every entry point reads
+        it (:func:`slime_rc.config.yaml_config.load_yaml_layer`): slime's example ``mis.yaml`` gives the settings
+        slime's example applies.  ``slime``: read it as slime does (keys that are not slime-rc's are other plugins'
+        and ignored, instead of refused)."""
+        from slime_rc.config.yaml_config import load_yaml_layer
+
+        return Stack([load_yaml_layer(path, slime=slime)]).build(cls)
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["rs"] = [dict(option=c.option, upper=c.upper, lower=c.lower) for c in self.rs]

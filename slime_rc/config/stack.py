@@ -17,9 +17,9 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from slime_rc.config._text import did_you_mean
 from slime_rc.config.knobs import (BOOLEAN_SPELLINGS, FIELD_SETTINGS, KNOB, KNOBS, PLAIN, SHARED_SPELLINGS,
-                                   SPELLINGS, VERL)
+                                   SPELLINGS, VERL, dest_of)
 from slime_rc.config.presets import PRESETS
-from slime_rc.config.rejection import parse_rejection_criteria
+from slime_rc.config.rejection import RS_OPTIONS, parse_rejection_criteria, rs_options
 
 # Precedence of the layer kinds, lowest first: this project's launches (slime-rc train, Megatron's
 # extra_args_provider, plain argparse) ...
@@ -204,10 +204,11 @@ class Stack:
                                  f"{self.get('tis_mode')!r}, or leave it unset (1/upper).")
         elif lower is not None:
             kwargs["is_lower_bound"] = lower
-            if mode == "truncate" and "tis_mode" not in self.values:
-                # a lower bound without a mode clamps from below, as slime's --tis-clip-low does (its
-                # vanilla_tis_function clamps to [tis_clip_low, tis_clip]); a mode given as truncate keeps the bound
-                # unused, as slime's example mis.yaml documents ("for truncate mode, it will not be used")
+            if mode == "truncate" and "tis_mode" not in self.values and self._spelled_as("tis_lower_bound",
+                                                                                          "tis_clip_low"):
+                # slime's --tis-clip-low without a mode clamps from below (its vanilla_tis_function clamps to
+                # [tis_clip_low, tis_clip]); slime's tis_lower_bound key without a mode is unused, as in slime's
+                # example mis.py (truncate is its default mode: "for truncate mode, it will not be used")
                 kwargs["is_mode"] = "clip"
         if self.get("use_rs"):
             kwargs["rs"] = self._rejection()
@@ -226,11 +227,44 @@ class Stack:
                     f"({self.owner['rs'].label('rs')}); give the rejection one way: the criteria (rs) or "
                     f"rs_level / rs_upper_bound / rs_lower_bound.")
             return self.get("rs")
-        rs_lower = self.get("rs_lower_bound")
-        if "_" in str(self.get("rs_upper_bound")) and self.rank("rs_lower_bound") < self.rank("rs_upper_bound"):
+        # slime's rule (its example mis.py): an unset rs_level is tis_level
+        levels = self.get("rs_level") or self.get("tis_level") or KNOB["rs_level"].default
+        rs_upper, rs_lower = self.get("rs_upper_bound"), self.get("rs_lower_bound")
+        if "_" in str(rs_upper) and self.rank("rs_lower_bound") < self.rank("rs_upper_bound"):
             rs_lower = None  # a 'lower_upper' band given above replaces a lower bound from below
-        return parse_rejection_criteria(self.get("rs_level") or KNOB["rs_level"].default, self.get("rs_upper_bound"),
-                                        rs_lower)
+        rs_upper, rs_lower = self._rs_band_defaults(levels, rs_upper, rs_lower)
+        return parse_rejection_criteria(levels, rs_upper, rs_lower)
+
+    def _rs_band_defaults(self, levels: str, rs_upper: Any, rs_lower: Any) -> Tuple[Any, Any]:
+        """slime's rule for its keys (its example ``mis.py``): unset RS bounds of the ratio (k1) options are the IS
+        bounds -- ``rs_upper_bound`` is ``tis_upper_bound`` (2.0 unset), ``rs_lower_bound`` is ``tis_lower_bound``,
+        else ``1 / tis_upper_bound`` -- whether IS is on or not.  A threshold from a preset or in verl's spelling
+        (``rollout_rs_threshold``) keeps the project's ``1 / upper`` for its unset lower bound."""
+        if not all(RS_OPTIONS[o][2] == "k1" for o in rs_options(levels)):
+            return rs_upper, rs_lower
+        is_upper = self.get("tis_upper_bound") or KNOB["tis_upper_bound"].default
+        is_lower = self.get("tis_lower_bound") or 1.0 / is_upper  # 0 is slime's "no lower clip": 1/upper then
+        if rs_upper is None:
+            return is_upper, is_lower if rs_lower is None else rs_lower
+        if rs_lower is None and "_" not in str(rs_upper) and self._slime_spelled("rs_upper_bound"):
+            return rs_upper, is_lower
+        return rs_upper, rs_lower
+
+    def _spelled_as(self, key: str, spelling: str) -> bool:
+        """Whether ``key`` was given under ``spelling`` (a key, or its flag)."""
+        layer = self.owner.get(key)
+        name = layer.names.get(key, key) if layer is not None else ""
+        return (dest_of(name) if name.startswith("--") else name) == spelling
+
+    def _slime_spelled(self, key: str) -> bool:
+        """Whether ``key`` was given under slime's spelling (a slime key, its flag or ``mis_*`` alias), not by a
+        preset or in verl's spelling."""
+        layer = self.owner.get(key)
+        if layer is None or layer.kind == "preset":
+            return False
+        name = layer.names.get(key, key)
+        name = dest_of(name) if name.startswith("--") else name
+        return SPELLINGS.get(name, ("",))[0] != VERL
 
     # ---- telling the user ------------------------------------------------------------------------------------
     def sources(self, config: Any) -> Dict[str, str]:

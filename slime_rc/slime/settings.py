@@ -28,6 +28,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 from slime_rc.config._text import did_you_mean
 from slime_rc.config.knobs import ENGINE_KEYS, IS_LEVELS, IS_MODES, KNOB, KNOBS, MIS_KEYS, dest_of
+from slime_rc.config.schema import RolloutCorrectionConfig
 
 LEVELS = IS_LEVELS  # slime's example knows the three k1 levels for IS and RS alike
 MODES = IS_MODES
@@ -129,42 +130,84 @@ def _number(key: str, value: Any, *, positive: bool = True) -> float:
     return value
 
 
-@functools.lru_cache(maxsize=64)
-def settings_from_keys(keys: Tuple[Tuple[str, Any], ...]) -> SlimeMisSettings:
-    """Validate slime's mis keys (``(key, value)`` pairs as :func:`raw_mis_keys` gives them) and fill slime's
-    defaults.  Cached: slime calls the TIS function once per micro-batch with the same ``args``."""
-    d = dict(keys)
+def hook_config(args: Any) -> RolloutCorrectionConfig:
+    """The config slime's ``args`` describe for the TIS hook: ``args.rollout_correction_config`` when slime-rc resolved
+    one at launch, else THE resolution (:func:`slime_rc.config.resolution.resolve`, the one every entry point uses)
+    of ``--rollout-correction-preset`` (lowest) and slime's keys on ``args`` -- slime's args hold its flags and the
+    ``--custom-config-path`` YAML's keys alike, as attributes: one layer.  Cached: slime calls once per micro-batch."""
+    launch = get(args, "rollout_correction_config")
+    if launch is not None:
+        return launch
+    keys = raw_mis_keys(args)
+    _check_values(dict(keys))
+    items = keys + tuple(sorted(engine_keys(args).items()))
+    try:
+        return _resolve(get(args, "rollout_correction_preset"), items)
+    except TypeError:  # an unhashable value: resolve without the cache (it reports the bad value)
+        return _resolve.__wrapped__(get(args, "rollout_correction_preset"), items)
+
+
+def _check_values(d: Dict[str, Any]) -> None:
+    """slime's example reads its keys as they are: a quoted number or a quoted boolean (which the resolution would
+    read as a number or a truthy value) is an error here, named as slime's YAML loader produces it."""
     for key in BOOL_KEYS:
         if key in d and not isinstance(d[key], bool):
             raise ValueError(f"{key}={d[key]!r} must be true or false (a YAML boolean, unquoted).")
     for key, choices in CHOICE_KEYS.items():
-        if key in d and d[key] not in choices:
+        if key in d and key != "rs_level" and d[key] not in choices:
             raise ValueError(f"{key}={d[key]!r} is not one of {', '.join(choices)} (slime's mis.py levels/modes)."
                              + did_you_mean(d[key], choices))
-    num = {k: _number(k, d[k]) for k in NUMBER_KEYS if k in d}
-    tis_upper = num.get("tis_upper_bound", 2.0)
-    tis_lower = num.get("tis_lower_bound", 1.0 / tis_upper)
-    tis_level = d.get("tis_level", "token")
-    tis_mode = d.get("tis_mode", "truncate")
-    s = SlimeMisSettings(
-        use_tis=d.get("use_tis", False), use_rs=d.get("use_rs", False), tis_level=tis_level, tis_mode=tis_mode,
-        tis_lower=tis_lower, tis_upper=tis_upper, rs_level=d.get("rs_level", tis_level),
-        rs_lower=num.get("rs_lower_bound", tis_lower), rs_upper=num.get("rs_upper_bound", tis_upper),
-        veto=num.get("rs_veto_threshold"), batch_normalize=d.get("tis_batch_normalize", False))
-    if s.use_tis and s.tis_mode in ("clip", "mask") and not s.tis_lower < s.tis_upper:
-        raise ValueError(f"tis_lower_bound={s.tis_lower} must be < tis_upper_bound={s.tis_upper} for "
-                         f"tis_mode={s.tis_mode!r}.")
-    if s.use_rs and not s.rs_lower < s.rs_upper:
-        raise ValueError(f"the rejection band [{s.rs_lower}, {s.rs_upper}] is empty: rs_lower_bound (default "
-                         f"tis_lower_bound, then 1/tis_upper_bound) must be < rs_upper_bound (default "
-                         f"tis_upper_bound).")
-    return s
+    for key in NUMBER_KEYS:
+        if key in d and not (key in ("rs_upper_bound", "rs_lower_bound") and isinstance(d[key], str)
+                             and ("_" in d[key] or "," in d[key])):
+            _number(key, d[key])
+
+
+@functools.lru_cache(maxsize=64)
+def _resolve(preset: Optional[str], items: Tuple[Tuple[str, Any], ...]) -> RolloutCorrectionConfig:
+    from slime_rc.config.resolution import SLIME_KINDS, Layer, preset_layer, resolve
+
+    layers = [preset_layer(preset)] if preset else []
+    layers.append(Layer.from_mapping(dict(items), kind="yaml", where="slime's args"))
+    return resolve(layers, SLIME_KINDS).config
+
+
+# slime's level names for the k1 options that stand for them
+_SLIME_LEVEL = {"token_k1": "token", "seq_sum_k1": "sequence", "seq_mean_k1": "geometric",
+                **{level: level for level in LEVELS}}
+
+
+def slime_settings(config: RolloutCorrectionConfig) -> Optional[SlimeMisSettings]:
+    """``config`` as slime's example reads it (its keys with every default resolved), or None when slime's example
+    cannot express it (several rejection criteria, a k2/k3 one): the projection of THE resolved config, so the TIS
+    hook, the custom loss and ``slime-rc config`` give one meaning to each key."""
+    rs = config.rs
+    if len(rs) > 1 or (rs and rs[0].option not in _SLIME_LEVEL):
+        return None
+    is_level = config.is_level or "token"
+    criterion = rs[0] if rs else None
+    return SlimeMisSettings(
+        use_tis=config.is_enabled, use_rs=bool(rs), tis_level=is_level, tis_mode=config.is_mode,
+        tis_lower=config.is_lower, tis_upper=config.is_upper_bound,
+        rs_level=_SLIME_LEVEL[criterion.option] if criterion else is_level,
+        rs_lower=criterion.lower if criterion else config.is_lower,
+        rs_upper=criterion.upper if criterion else config.is_upper_bound,
+        veto=config.veto_threshold, batch_normalize=config.is_batch_normalize)
+
+
+def settings_of(args: Any) -> SlimeMisSettings:
+    """The settings slime's example applies for ``args`` (:func:`slime_settings` of :func:`hook_config`)."""
+    settings = slime_settings(hook_config(args))
+    if settings is None:
+        raise ValueError(f"{beyond_slime(args) or 'these rejection settings'} go beyond slime's example mis.py; "
+                         f"custom_tis.mis runs slime-rc's engine for them")
+    return settings
 
 
 def mis_settings(args: Any) -> SlimeMisSettings:
     """The settings slime's example would apply for ``args``, validated; warns once about the differences slime-rc
     makes on purpose (:data:`DEFECTS`)."""
-    s = settings_from_keys(raw_mis_keys(args))
+    s = settings_of(args)
     for key in defects(s):
         warn_once(key, veto=s.veto)
     return s
@@ -195,7 +238,7 @@ def explain(args: Any) -> Tuple[SlimeMisSettings, Tuple[Tuple[str, Any, str], ..
     """``(settings, rows (key, value, 'set' or the default rule), defect messages)`` for ``args``, without
     warning."""
     raw = dict(raw_mis_keys(args))
-    s = settings_from_keys(tuple(sorted(raw.items())))
+    s = settings_of(args)
     rows = tuple((key, getattr(s, FIELD_OF_KEY[key]), "set" if key in raw else f"default: {DEFAULT_RULES[key]}")
                  for key in MIS_KEYS)
     return s, rows, tuple("slime-rc: " + DEFECTS[k].format(veto=s.veto) for k in defects(s))

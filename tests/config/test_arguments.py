@@ -75,10 +75,10 @@ FLAG_TABLE = {
     "--tis-batch-normalize": (["--use-tis", "--tis-batch-normalize"], "is_batch_normalize", True),
     "--tis-clip": (["--use-tis", "--tis-clip", "1.5"], "is_upper_bound", 1.5),
     "--tis-clip-low": (["--use-tis", "--tis-clip-low", "0.2"], "is_lower_bound", 0.2),
-    # rs_level defaults to token; an unset lower bound of a k1 option is 1/upper
-    "--use-rs": (["--use-rs", "--rs-upper-bound", "4"], "rs", (RejectionCriterion("token", 4.0, 0.25),)),
-    "--rs-lower-bound": (["--use-rs", "--rs-upper-bound", "4", "--rs-lower-bound", "0.5"], "rs",
-                         (RejectionCriterion("token", 4.0, 0.5),)),
+    # slime's rule: rs_level defaults to tis_level (token); an unset RS lower bound is the IS lower bound (1/2.0)
+    "--use-rs": (["--use-rs", "--rs-upper-bound", "4"], "rs", (RejectionCriterion("token", 4.0, 0.5),)),
+    "--rs-lower-bound": (["--use-rs", "--rs-upper-bound", "4", "--rs-lower-bound", "0.2"], "rs",
+                         (RejectionCriterion("token", 4.0, 0.2),)),
     "--rs-upper-bound": (["--use-rs", "--rs-level", "geometric", "--rs-upper-bound", "0.99_1.02"], "rs",
                          (RejectionCriterion("geometric", 1.02, 0.99),)),
     "--rs-level": (["--use-rs", "--rs-level", "seq_max_k2", "--rs-upper-bound", "0.05"], "rs",
@@ -206,11 +206,20 @@ def test_tis_clip_low_zero_means_no_lower_bound_in_truncate_mode():
         assert cfg == RolloutCorrectionConfig(is_level="token", is_mode="truncate", is_upper_bound=2.0)
 
 
-@pytest.mark.parametrize("flag", ["--tis-clip-low", "--tis-lower-bound"])
-def test_positive_lower_bound_without_a_mode_means_clip(flag):
+def test_tis_clip_low_without_a_mode_means_clip():
     """slime's --use-tis --tis-clip-low 0.1 clamps to [0.1, tis_clip]; truncate mode would drop the bound."""
-    cfg = _config(["--use-tis", flag, "0.1"])
+    cfg = _config(["--use-tis", "--tis-clip-low", "0.1"])
     assert (cfg.is_mode, cfg.is_lower_bound, cfg.is_lower) == ("clip", 0.1, 0.1)
+
+
+def test_tis_lower_bound_without_a_mode_keeps_truncate_as_slimes_mis_does():
+    """slime's example mis.py reads tis_lower_bound only in clip / mask mode; its default mode is truncate."""
+    cfg = _config(["--use-tis", "--tis-lower-bound", "0.1"])
+    assert (cfg.is_mode, cfg.is_lower_bound) == ("truncate", 0.1)
+
+
+@pytest.mark.parametrize("flag", ["--tis-clip-low", "--tis-lower-bound"])
+def test_a_given_mode_wins_over_the_lower_bound(flag):
     assert _config(["--use-tis", "--tis-mode", "mask", flag, "0.1"]).is_mode == "mask"
     kept = _config(["--use-tis", "--tis-mode", "truncate", flag, "0.1"])  # slime's mis.yaml: unused in truncate mode
     assert kept.is_mode == "truncate"
@@ -340,8 +349,15 @@ def test_veto_alone_is_decoupled():
     assert cfg.mode == "decoupled" and cfg.veto_threshold == 1e-4 and cfg.rs == ()
 
 
-def test_use_rs_without_threshold_says_what_is_missing():
-    _raises(lambda: _config(["--use-rs"]), "rs_upper_bound", "threshold")
+def test_use_rs_without_bounds_takes_the_is_band_as_slime_does():
+    assert _config(["--use-rs"]).rs == (RejectionCriterion("token", 2.0, 0.5),)
+    cfg = _config(["--use-tis", "--tis-level", "geometric", "--tis-upper-bound", "1.01", "--tis-lower-bound", "0.98",
+                   "--use-rs"])
+    assert cfg.rs == (RejectionCriterion("geometric", 1.01, 0.98),)
+
+
+def test_use_rs_on_a_divergence_without_threshold_says_what_is_missing():
+    _raises(lambda: _config(["--use-rs", "--rs-level", "seq_max_k2"]), "rs_upper_bound", "threshold")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -398,7 +414,8 @@ def test_precedence_key_by_key(tmp_path):
     assert cfg.safety_bound == 10.0 and src["safety_bound"] == "--rollout-correction-safety-bound"
     # YAML
     assert cfg.is_mode == "clip" and src["is_mode"] == f"tis_mode in {abspath}"
-    assert cfg.rs == (RejectionCriterion("sequence", 3.0, 1 / 3),) and src["rs"] == f"rs_upper_bound in {abspath}"
+    # slime's rule: the unset RS lower bound is the IS lower bound (1 / the preset's 2.0), not 1 / 3
+    assert cfg.rs == (RejectionCriterion("sequence", 3.0, 0.5),) and src["rs"] == f"rs_upper_bound in {abspath}"
     # preset
     assert cfg.is_upper_bound == 2.0 and src["is_upper_bound"] == "preset decoupled_seq_is_rs"
     assert cfg.loss_type == "ppo_clip" and src["loss_type"] == "preset decoupled_seq_is_rs"

@@ -345,10 +345,11 @@ def test_from_dict_tis_level_without_use_tis():
     _raises(lambda: RolloutCorrectionConfig.from_dict({"tis_level": "token"}), "tis_level='token'", "use_tis")
 
 
-def test_from_dict_use_rs_without_threshold():
-    _raises(lambda: RolloutCorrectionConfig.from_dict({"use_rs": True, "rs_level": "geometric"}),
-            "needs a threshold", "rs_upper_bound", "geometric")
-    _raises(lambda: RolloutCorrectionConfig.from_dict({"use_rs": True}), "needs a threshold", "rs_upper_bound")
+def test_from_dict_use_rs_without_threshold_is_the_is_band_for_ratios_and_an_error_for_divergences():
+    assert RolloutCorrectionConfig.from_dict({"use_rs": True, "rs_level": "geometric"}).rs == (
+        RejectionCriterion("geometric", 2.0, 0.5),)
+    _raises(lambda: RolloutCorrectionConfig.from_dict({"use_rs": True, "rs_level": "seq_mean_k3"}),
+            "needs a threshold", "rs_upper_bound", "seq_mean_k3")
 
 
 def test_from_dict_use_rs_defaults_to_token_and_pure_rs():

@@ -200,7 +200,8 @@ def test_rs_only_rejects_without_weights():
     assert weights is None
     for m, t, r, mm in zip(masks, *batch):
         ratio = (t - r).exp()
-        assert torch.equal(m, (mm.bool() & (ratio >= 1 / 1.5) & (ratio <= 1.5)).float())
+        # slime's rule: the unset RS lower bound is the IS lower bound, 1 / tis_upper_bound (2.0 unset)
+        assert torch.equal(m, (mm.bool() & (ratio >= 0.5) & (ratio <= 1.5)).float())
     assert any(float(v.sum()) > 0 for v in metrics["rejected_token_fraction"])
 
 
@@ -285,6 +286,26 @@ def test_icepop_zeroes_out_of_band_tokens_and_keeps_masks():
         n_out += int((mm.bool() & ~inside).sum())
     assert n_out > 0
     assert sum(float((v * mm).sum()) for v, mm in zip(metrics["tis_clipfrac"], batch[2])) == n_out
+
+
+def test_icepop_after_config_from_args_still_zeroes_outside_the_band():
+    """One meaning: a config resolved at launch (slime_rc.config_from_args, as docs prescribe) gives IcePop's band,
+    not TIS's clamp -- the same weights as slime's icepop_function on the plain flags."""
+    import argparse
+
+    import slime_rc
+
+    parser = slime_rc.add_rollout_correction_arguments(argparse.ArgumentParser(), slime=False)
+    args = parser.parse_args(["--use-tis", "--tis-clip", "2.0", "--tis-clip-low", "0.5"])
+    slime_rc.config_from_args(args)
+    ratios = torch.tensor([0.3, 0.45, 0.8, 1.0, 1.5, 2.5, 4.0])
+    lists = dict(train_log_probs=[ratios.log()], rollout_log_probs=[torch.zeros(7)],
+                 loss_masks=[torch.ones(7, dtype=torch.int)])
+    launched_w = compute_icepop_weights(args, **lists)[0][0]
+    plain_w = compute_icepop_weights(NS(tis_clip=2.0, tis_clip_low=0.5), **lists)[0][0]
+    expected = torch.where((ratios >= 0.5) & (ratios <= 2.0), ratios, torch.zeros(()))
+    torch.testing.assert_close(launched_w, expected)
+    torch.testing.assert_close(plain_w, expected)
 
 
 def test_icepop_default_band_is_slimes_flag_defaults():

@@ -86,7 +86,9 @@ def test_engine_behind_the_contract_reads_nothing_with_reject_and_once_at_most_w
     for form, call in _calls(args).items():
         reads = _count(call)
         assert _own(reads) == [], (form, reads.report())
-        assert reads.count == 0 if on_nonfinite == "reject" else reads.count <= 1, (form, reads.report())
+        # IcePop is IcePop under a launch config too (its band from the config): its non-finite check is read once
+        engine = not form.startswith("icepop")
+        assert reads.count == 0 if on_nonfinite == "reject" and engine else reads.count <= 1, (form, reads.report())
 
 
 @pytest.mark.parametrize("cp", [2, 3])
@@ -169,7 +171,7 @@ def test_batch_and_engine_path_run_on_the_meta_device():
                                                                   for s in samples]
     pg, meta = _meta_inputs(samples, 1, 0)
     args = NS(rollout_correction_config=replace(ENGINE["engine_token_veto_norm"], on_nonfinite="reject"))
-    for fn in (compute_mis_weights_with_cp, compute_tis_weights_with_cp, compute_icepop_weights_with_cp):
+    for fn in (compute_mis_weights_with_cp, compute_tis_weights_with_cp):
         out, masks, metrics = fn(args, pg_loss=pg, **meta)
         assert out.device.type == "meta" and out.shape == pg.shape
         assert [(m.device.type, m.shape, m.dtype) for m in masks] == [("meta", s["mask"].shape, s["mask"].dtype)

@@ -216,8 +216,10 @@ def _call(keys, samples=None, **over):
     (dict(use_tis=True, tis_level="tokn"), "Did you mean 'token'"),
     (dict(use_tis=True, tis_mode="truncated"), "tis_mode='truncated' is not one of"),
     (dict(use_tis=True, tis_upper_bound=-1.0), "tis_upper_bound=-1.0 must be a finite number > 0"),
-    (dict(use_tis=True, tis_mode="clip", tis_lower_bound=3.0, tis_upper_bound=2.0), "must be < tis_upper_bound"),
-    (dict(use_tis=True, use_rs=True, rs_lower_bound=2.5, tis_upper_bound=2.0), "rejection band"),
+    (dict(use_tis=True, tis_mode="clip", tis_lower_bound=3.0, tis_upper_bound=2.0),
+     "must be < is_upper_bound=2.0; lower it or leave it unset (it defaults to 1/upper = 0.5). (set by "
+     "tis_upper_bound in slime's args, tis_lower_bound in slime's args)"),
+    (dict(use_tis=True, use_rs=True, rs_lower_bound=2.5, tis_upper_bound=2.0), "lower=2.5 must be < upper=2.0"),
     (dict(use_tis=True, mis_upper_bound=3.0, tis_upper_bound=2.0), "older spelling mis_upper_bound"),
 ])
 def test_bad_slime_keys_name_the_key(keys, needle):
