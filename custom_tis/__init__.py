@@ -1,5 +1,6 @@
 """The slime surface: the TIS functions slime loads by dotted path (``--custom-tis-function-path``), each taking
-exactly what slime's policy loss passes and returning what it expects (``_contract.py``):
+exactly what slime's policy loss passes and returning what it expects.  Re-exports only: the functions live in
+:mod:`slime_rc.slime.tis_hooks`, the contract (slime's batch as packed tokens) in :mod:`slime_rc.slime.tis_contract`.
 
 * ``custom_tis.mis.compute_mis_weights[_with_cp]``: IS / RS / veto / batch norm / the ``mis_*`` metrics on slime's
   keys with slime's example semantics (:mod:`slime_rc.slime.mis`); slime-rc's correction engine
@@ -9,7 +10,7 @@ exactly what slime's policy loss passes and returning what it expects (``_contra
 * ``custom_tis.metrics_only.compute_metrics_only[_with_cp]``: monitoring only (``--get-mismatch-metrics``): the
   mismatch metrics, the loss and masks untouched.
 
-Under context parallelism the CP rank and group come from :func:`slime_rc.correction.reducer.megatron_context_parallel`
+Under context parallelism the CP rank and group come from :func:`slime_rc.megatron.reducers.megatron_context_parallel`
 and the zigzag positions from :mod:`slime_rc.megatron.cp_layout`.
 """
 

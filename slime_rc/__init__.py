@@ -9,7 +9,8 @@ from slime_rc.correction.metrics import METRICS
 from slime_rc.correction.packed import cu_seqlens_from_lengths
 from slime_rc.plugins import load_function
 from slime_rc.config.presets import PRESETS
-from slime_rc.correction.reducer import DistributedReducer, LocalReducer, megatron_reducer
+from slime_rc.correction.reducer import DistributedReducer, LocalReducer
+from slime_rc.megatron.reducers import megatron_reducer
 
 __all__ = [
     "compute_policy_loss", "loss_normalizer", "LossNormalizer", "add_rollout_correction_arguments", "config_from_args", "load_function", "PRESETS", "LOSS_TYPES", "MODES",

@@ -354,7 +354,7 @@ def _cp_worker(rank: int, world: int, device: str):
     from megatron.core import parallel_state as ps
 
     from custom_tis.mis import compute_mis_weights_with_cp
-    from slime_rc.correction.reducer import megatron_reducer
+    from slime_rc.megatron.reducers import megatron_reducer
     from tests.correction.test_reducer_layouts import CONFIGS, make_samples, pack_samples, shard
     from tests.slime_reference import make_samples as slime_samples, rank_inputs
 

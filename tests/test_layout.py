@@ -6,9 +6,11 @@ Layers, bottom to top (a module may import its own layer and those below, never 
     config, plugins                  what the user sets (knob table, flags, YAML, presets) and TIS-function loading
     correction                       the correction engine over packed tensors (torch.distributed: reducer.py only)
     losses, diffusion, sglang_output the policy losses, FlowGRPO's layout, SGLang's output read as tensors
-    megatron                         what runs inside a Megatron job (vocab-parallel log-probs, the zigzag, the loss)
-    slime                            what slime loads from slime_rc (the custom loss) and slime's semantics on its keys
-    custom_tis, testing              the TIS functions slime loads by path; the per-sequence test reference
+    megatron                         what runs inside a Megatron job (vocab-parallel log-probs, the zigzag, the
+                                     reducers over parallel_state, the loss); the only layer that imports megatron
+    slime                            THE slime integration: its args reader and settings, its batch (tis_contract),
+                                     the custom loss, the TIS functions (tis_hooks), slime's semantics on its keys
+    custom_tis, testing              re-exports of the TIS functions under the paths slime loads; the test reference
     tools                            offline: analyze, dump, estimator study
     demo                             the CPU demo trainer: tiny model, CPU patches, CP attention, rollout engines
     cli                              the command line
@@ -170,3 +172,35 @@ def test_importing_the_library_and_the_slime_surface_leaves_dynamo_unimported():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def _megatron_imports(path: str) -> Set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names.add(node.module or "")
+    return {n for n in names if n == "megatron" or n.startswith("megatron.") or n.startswith("slime_rc.megatron")}
+
+
+def test_only_the_megatron_integration_and_above_import_megatron():
+    """The engine (config, correction, losses) knows process groups, not Megatron: megatron-core's parallel_state
+    is read by slime_rc.megatron (its reducers) and the layers above it."""
+    below = [m for m in MODULES if 0 <= _layer(m) < _layer("slime_rc.megatron")]
+    bad = {m: sorted(_megatron_imports(MODULES[m])) for m in below if _megatron_imports(MODULES[m])}
+    assert not bad, f"modules below slime_rc.megatron that import Megatron: {bad}"
+    assert _megatron_imports(MODULES["slime_rc.megatron.reducers"])  # the check reads what it should
+
+
+def test_custom_tis_only_re_exports_the_one_slime_integration():
+    """What slime loads by path (custom_tis.<module>.<function>) is the slime integration's function itself: each
+    custom_tis module imports from slime_rc.slime.tis_hooks and defines nothing."""
+    for name, path in MODULES.items():
+        if not name.startswith("custom_tis"):
+            continue
+        tree = ast.parse(open(path).read(), path)
+        defined = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))]
+        assert not defined, f"{name} defines {defined}: the functions live in slime_rc.slime.tis_hooks"
+        ours = {t for t in GRAPH[name] if t in MODULES and not t.startswith("custom_tis")}
+        assert ours <= {"slime_rc.slime.tis_hooks"}, f"{name} imports {sorted(ours)}"

@@ -20,9 +20,10 @@ So a call of the engine costs at most 3 collectives however many sequences it ho
 included.  Sequence-level totals must be counted once per sequence, not once per CP rank: ``counts_sequences`` is
 True on exactly one rank of each context-parallel group.
 
-Outside the engine, the two other places that need other ranks ask here too: the slime adapters learn their CP
-rank and group (:func:`megatron_context_parallel`), and the once-per-step reduction of a TIS function's metrics
-sums named values over DP x CP (:func:`sum_named_values`, :func:`megatron_step_group`).
+Outside the engine, the once-per-step reduction of a TIS function's metrics sums named values here too
+(:func:`sum_named_values`).  Which groups a Megatron job uses is the Megatron integration's business
+(:mod:`slime_rc.megatron.reducers` builds reducers from megatron-core's ``parallel_state``): this module knows
+process groups, not Megatron.
 """
 
 from __future__ import annotations
@@ -182,27 +183,6 @@ def _gather_header(words: List[int], group, world: int) -> List[List[int]]:
     return [t.tolist() for t in everyone]
 
 
-def megatron_reducer(*, context_parallel: bool = True, data_parallel: bool = True,
-                     check_ranks: bool = True) -> LocalReducer:
-    """A reducer over megatron-core's initialized ``parallel_state`` groups.
-
-    ``context_parallel``: combine sequence statistics over the CP group (needed whenever CP > 1 and the inputs
-    are each rank's CP shard).  ``data_parallel``: make metrics and batch normalization global over DP x CP.
-    ``check_ranks``: see :class:`DistributedReducer`.
-    """
-    from megatron.core import parallel_state as ps
-
-    seq_group = ps.get_context_parallel_group() if context_parallel else None
-    if data_parallel:
-        batch_group = ps.get_data_parallel_group(with_context_parallel=True)
-    else:
-        batch_group = seq_group
-    if (seq_group is None or dist.get_world_size(seq_group) == 1) and (
-            batch_group is None or dist.get_world_size(batch_group) == 1):
-        return LocalReducer()
-    return DistributedReducer(seq_group, batch_group, check_ranks=check_ranks)
-
-
 def as_reducer(reducer: Optional[LocalReducer]) -> LocalReducer:
     return LocalReducer() if reducer is None else reducer
 
@@ -211,25 +191,9 @@ def distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def megatron_context_parallel() -> Tuple[int, int, LocalReducer]:
-    """``(cp_size, cp_rank, reducer over the CP group)`` from megatron-core's parallel_state when torch.distributed
-    and the model-parallel groups are initialized; ``(1, 0, LocalReducer())`` otherwise."""
-    if distributed():
-        from megatron.core import parallel_state as ps
-
-        if ps.model_parallel_is_initialized():
-            return (ps.get_context_parallel_world_size(), ps.get_context_parallel_rank(),
-                    megatron_reducer(data_parallel=False))
-    return 1, 0, LocalReducer()
-
-
-def megatron_step_group() -> Tuple[Optional[object], int]:
-    """``(megatron's DP x CP group, CP size)`` when torch.distributed is initialized; ``(None, 1)`` otherwise."""
-    if not distributed():
-        return None, 1
-    from megatron.core import parallel_state as ps
-
-    return ps.get_data_parallel_group(with_context_parallel=True), ps.get_context_parallel_world_size()
+def group_size(group) -> int:
+    """The number of ranks of ``group`` (1 for None or when torch.distributed is not initialized)."""
+    return dist.get_world_size(group) if group is not None and distributed() else 1
 
 
 def sum_named_values(names: Sequence[str], values: torch.Tensor, *, group=None, what: str = "values") -> torch.Tensor:

@@ -31,11 +31,14 @@ from slime_rc.config.schema import RolloutCorrectionConfig
 from slime_rc.correction.checks import DeferredChecks
 from slime_rc.correction.engine import CorrectionResult, compute_rollout_correction
 from slime_rc.correction.packed import segment_sum, token_sequence_ids, upload
-from slime_rc.correction.reducer import LocalReducer, megatron_reducer, megatron_step_group, sum_named_values
+from slime_rc.correction.reducer import LocalReducer, sum_named_values
+from slime_rc.megatron.reducers import megatron_reducer, megatron_step_group
 from slime_rc.losses import LossNormalizer, compute_policy_loss, loss_normalizer
 from slime_rc.megatron.cp_layout import expand_runs, response_positions, response_runs, zigzag_response_indices
 from slime_rc.megatron.logprobs import vocab_parallel_log_probs
 
+_ZIGZAG_FIX = ("each sequence padded to 2 * cp * ceil(length / (2 * cp)) positions, CP rank r holding its chunks r and "
+               "2 * cp - 1 - r (slime_rc.megatron.cp_layout.packed_zigzag_positions gives the positions)")
 # What a micro-batch (this rank's tokens) must hold, all [N] aligned with the target tokens.
 REQUIRED = ("targets", "loss_mask", "advantages", "cu_seqlens")
 
@@ -260,8 +263,8 @@ def tis_function_correction(tis_function: Callable, args, micro_batch: Dict[str,
     if sum(local) != n or pos.numel() != n:
         raise ValueError(f"this rank's micro-batch holds {n} log-probs and {pos.numel()} position_ids, but its "
                          f"{len(lengths)} samples of lengths {lengths} take {sum(local)} positions on CP rank "
-                         f"{cp_rank} of {cp_size} (slime's zigzag layout); shard the micro-batch with "
-                         f"slime_rc.demo.model.shard_micro_batch")
+                         f"{cp_rank} of {cp_size} (slime's zigzag layout); lay the micro-batch out "
+                         f"as slime does: " + _ZIGZAG_FIX)
     counts = [0] * len(lengths)
     for i, _, _, c in runs:
         counts[i] += c
@@ -284,18 +287,18 @@ def tis_function_correction(tis_function: Callable, args, micro_batch: Dict[str,
         cu = cu_dev.tolist()
         if cu != cu_want.tolist():
             return (f"cu_seqlens {cu} do not match the samples' lengths on this rank {local} (cp {cp_size}, rank "
-                    f"{cp_rank}); shard the micro-batch with slime_rc.demo.model.shard_micro_batch")
+                    f"{cp_rank}); lay the micro-batch out as slime does: " + _ZIGZAG_FIX)
         for i, (total, resp) in enumerate(zip(lengths, responses)):
             keep, j = response_positions(pos[cu[i]:cu[i + 1]], total, resp)
             want = zigzag_response_indices(total, resp, cp_size, cp_rank)
             if not torch.equal(j[keep].cpu(), want):
                 return (f"sample {i} (total {total}, response {resp}): this rank holds response positions "
                         f"{j[keep].tolist()}, slime's zigzag layout (cp {cp_size}, rank {cp_rank}) gives "
-                        f"{want.tolist()}; shard the micro-batch with slime_rc.demo.model.shard_micro_batch")
-        return "position_ids do not follow slime's zigzag layout; shard with slime_rc.demo.model.shard_micro_batch"
+                        f"{want.tolist()}; lay the micro-batch out as slime does: " + _ZIGZAG_FIX)
+        return "position_ids do not follow slime's zigzag layout; lay the micro-batch out as slime does: " + _ZIGZAG_FIX
     checks.add(bad_layout, f"position_ids / cu_seqlens of this rank do not follow slime's zigzag layout (cp "
                            f"{cp_size}, rank {cp_rank}) of sample_lengths; shard the micro-batch with "
-                           f"slime_rc.demo.model.shard_micro_batch", layout_message)
+                           f"lay the micro-batch out as slime does: " + _ZIGZAG_FIX, layout_message)
 
     rollout = micro_batch["rollout_log_probs"].reshape(-1)
     result = tis_function(

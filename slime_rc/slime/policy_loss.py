@@ -50,7 +50,7 @@ from slime_rc.config.schema import RolloutCorrectionConfig
 from slime_rc.correction.checks import DeferredChecks
 from slime_rc.correction.engine import compute_rollout_correction
 from slime_rc.correction.packed import segment_sum, upload
-from slime_rc.correction.reducer import megatron_context_parallel
+from slime_rc.megatron.reducers import megatron_context_parallel
 from slime_rc.losses import LossNormalizer, compute_policy_loss, loss_normalizer
 from slime_rc.megatron.cp_layout import expand_runs, response_runs
 from slime_rc.megatron.logprobs import vocab_parallel_log_probs

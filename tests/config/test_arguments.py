@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 
-import custom_tis._contract as contract
+import slime_rc.slime.tis_contract as contract
 from slime_rc import PRESETS, RejectionCriterion, RolloutCorrectionConfig
 from slime_rc.config.arguments import FLAGS, OTHER_FLAGS, add_rollout_correction_arguments, config_from_args, resolve_args
 
@@ -752,8 +752,9 @@ def test_icepop_adapter_sees_the_preset_band():
     cfg = config_from_args(args)
     assert (cfg.is_mode, cfg.is_lower_bound, cfg.is_upper_bound) == ("mask", 0.5, 5.0)
     weights, masks, _ = icepop.compute_icepop_weights(args, **_RATIOS)
-    # the preset's band [0.5, 5]: 0.25 and 6 are outside (rejected), 4 is inside
-    assert weights[0].tolist() == [0.0, 1.0, 4.0, 0.0] and masks[0].tolist() == [0.0, 1.0, 1.0, 0.0]
+    # the preset's band [0.5, 5]: 0.25 and 6 are outside (weight 0), 4 is inside; IcePop leaves the masks as they
+    # came (slime's icepop_function: a zero weight, the token stays in slime's denominators)
+    assert weights[0].tolist() == [0.0, 1.0, 4.0, 0.0] and masks[0].tolist() == [1.0, 1.0, 1.0, 1.0]
     # slime's band [tis_clip_low, tis_clip] = [0, 2] without a launch config
     weights, _, _ = icepop.compute_icepop_weights(argparse.Namespace(tis_clip=2.0, tis_clip_low=0), **_RATIOS)
     assert weights[0].tolist() == [0.25, 1.0, 0.0, 0.0]

@@ -190,7 +190,7 @@ def _case_batch(name: str, clean: List[dict], with_nan: List[dict]) -> List[dict
 
 
 def _layout_checks(ps, clean, with_nan, full_refs) -> dict:
-    from slime_rc.correction.reducer import megatron_reducer
+    from slime_rc.megatron.reducers import megatron_reducer
 
     dp_size, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     cp_size, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
@@ -273,7 +273,8 @@ def _disagreement_checks(ps, samples) -> dict:
     differ, and records what each rank raised."""
     import torch.distributed as dist
 
-    from slime_rc.correction.reducer import _gather_header, host_group, megatron_reducer
+    from slime_rc.correction.reducer import _gather_header, host_group
+    from slime_rc.megatron.reducers import megatron_reducer
     from slime_rc.slime.mis import slime_mis
     from slime_rc.slime.settings import SlimeMisSettings
 
@@ -320,7 +321,7 @@ def _loss_checks(samples, sh) -> dict:
     """This rank's loss share and gradient (megatron_reducer: CP + DP) next to the single-process loss of the whole
     batch and its gradient at this rank's tokens."""
     from slime_rc import compute_policy_loss
-    from slime_rc.correction.reducer import megatron_reducer
+    from slime_rc.megatron.reducers import megatron_reducer
 
     train, rollout, mask, cu = pack_samples(samples)
     theta, adv = loss_inputs(train)

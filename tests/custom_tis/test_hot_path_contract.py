@@ -12,7 +12,7 @@ from types import SimpleNamespace as NS
 import pytest
 import torch
 
-from custom_tis._contract import Batch
+from slime_rc.slime.tis_contract import Batch
 from custom_tis.icepop import compute_icepop_weights, compute_icepop_weights_with_cp
 from custom_tis.mis import compute_mis_weights, compute_mis_weights_with_cp
 from custom_tis.tis import compute_tis_weights, compute_tis_weights_with_cp

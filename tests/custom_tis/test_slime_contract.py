@@ -13,7 +13,8 @@ import torch
 
 import slime_rc.slime.settings as slime_settings
 from custom_tis.icepop import compute_icepop_weights, compute_icepop_weights_with_cp
-from custom_tis.mis import check_shared_yaml, compute_mis_weights, compute_mis_weights_with_cp
+from custom_tis.mis import compute_mis_weights, compute_mis_weights_with_cp
+from slime_rc.slime.tis_hooks import check_shared_yaml
 from custom_tis.tis import compute_tis_weights, compute_tis_weights_with_cp
 from tests.dist_utils import run_distributed
 from tests.slime_reference import (consume, icepop_reference, make_samples, mis_reference, rank_inputs,

@@ -1,4 +1,5 @@
-"""slime's custom-TIS contract, as the adapters in ``custom_tis`` take and return it.
+"""slime's custom-TIS contract, as the TIS functions (:mod:`slime_rc.slime.tis_hooks`, re-exported by ``custom_tis``) take
+and return it: the ONE representation of slime's batch (per-sample lists <-> zigzag CP positions <-> packed tokens).
 
 slime calls ``fn(args, pg_loss=, train_log_probs=, rollout_log_probs=, loss_masks=, total_lengths=,
 response_lengths=)`` once per micro-batch on every rank (``slime/backends/megatron_utils/loss.py``):
@@ -26,31 +27,27 @@ from __future__ import annotations
 
 import math
 from itertools import accumulate
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from slime_rc import LocalReducer, RolloutCorrectionConfig, compute_rollout_correction
+from slime_rc.config.schema import RolloutCorrectionConfig
 from slime_rc.correction.checks import DeferredChecks
-from slime_rc.correction.engine import CorrectionResult
+from slime_rc.correction.engine import CorrectionResult, compute_rollout_correction
 from slime_rc.correction.packed import token_sequence_ids, upload
-from slime_rc.correction.reducer import megatron_context_parallel
+from slime_rc.correction.reducer import LocalReducer
+from slime_rc.megatron.reducers import megatron_context_parallel
+from slime_rc.slime.settings import get
 from slime_rc.megatron.cp_layout import expand_runs, response_runs
 
 TensorList = List[torch.Tensor]
 
 
 # ---- where the settings come from --------------------------------------------------------------------------------
-def get_arg(args: Any, name: str, default: Any = None) -> Any:
-    """``args.name`` (or ``args[name]`` for a mapping), ``default`` when missing or None."""
-    value = args.get(name) if isinstance(args, Mapping) else getattr(args, name, None)
-    return default if value is None else value
-
-
 def launch_config(args: Any) -> Optional[RolloutCorrectionConfig]:
     """The config resolved at launch by slime-rc (``slime_rc.config_from_args``: ``slime-rc train``, a Megatron
     launch with our flags), if any.  It selects slime-rc's own semantics (the engine)."""
-    return get_arg(args, "rollout_correction_config")
+    return get(args, "rollout_correction_config")
 
 
 # ---- the CP layout -----------------------------------------------------------------------------------------------
