@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import difflib
 import math
-from typing import Any, Iterable, Optional, Tuple, Union
+from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
 
 # A threshold as a user writes it: a number (an upper bound), or "lower_upper" (a band, e.g. "0.5_2.0").
 Threshold = Union[float, int, str]
@@ -18,6 +18,53 @@ def did_you_mean(name: Any, choices: Iterable[str]) -> str:
     """``" Did you mean 'x'?"`` for the choice closest to ``name``, or ``""`` when none is close."""
     match = difflib.get_close_matches(str(name), list(choices), n=1, cutoff=0.5)
     return f" Did you mean {match[0]!r}?" if match else ""
+
+
+def close_matches(name: Any, choices: Iterable[str], n: int = 3) -> List[str]:
+    """Up to ``n`` choices closest to ``name``, for a hint after a typo: those at the smallest edit distance
+    (:func:`_edit_distance`; case and ``-`` for ``_`` ignored) when it is at most a third of ``name``'s length
+    (``trian`` -> ``train``, ``--tis-clp`` -> ``--tis-clip``), else difflib's best match above 0.6; ``[]`` when
+    nothing is close.  Ties keep ``choices``' order, so a flag's near twins (``--tis-clip`` / ``--tis-clip-low``)
+    are both offered only when they are equally close."""
+    choices = list(dict.fromkeys(choices))
+    norm = str(name).lower().replace("-", "_")
+    distances = [(_edit_distance(norm, c.lower().replace("-", "_")), c) for c in choices]
+    best = min((d for d, _ in distances), default=None)
+    if best is not None and best <= max(1, len(norm) // 3):
+        return [c for d, c in distances if d == best][:n]
+    return difflib.get_close_matches(str(name), choices, n=1, cutoff=0.6)
+
+
+def did_you_mean_any(name: Any, choices: Iterable[str]) -> str:
+    """``" Did you mean 'a' or 'b'?"`` for :func:`close_matches` of ``name``, or ``""`` when none is close.  Unlike
+    :func:`did_you_mean` (one difflib match at 0.5) it offers only what is a likely typo."""
+    matches = close_matches(name, choices)
+    return f" Did you mean {' or '.join(repr(m) for m in matches)}?" if matches else ""
+
+
+def unknown_flags_message(leftover: Sequence[str], known: Iterable[str]) -> str:
+    """argparse's ``unrecognized arguments: ...`` for ``leftover`` (what ``parse_known_args`` left), followed by
+    one sentence per unknown flag naming it and the closest of ``known`` (the parser's option strings).
+
+    Why: argparse names what it could not place but not what was meant, and a mistyped flag (``--tis-clp 2``)
+    silently differs from the intended one by one letter.  Tokens that are not flags (a value, a number such as
+    ``-1``) get no sentence; ``--flag=value`` is looked up as ``--flag``."""
+    known = list(known)
+    text = f"unrecognized arguments: {' '.join(leftover)}."
+    for token in leftover:
+        flag = token.split("=", 1)[0]
+        if not flag.startswith("-") or flag == "-" or _is_number(flag):
+            continue
+        text += f" Unknown flag {flag!r}.{did_you_mean_any(flag, known)}"
+    return text
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _edit_distance(a: str, b: str) -> int:

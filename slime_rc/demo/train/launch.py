@@ -44,6 +44,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from slime_rc.config._text import unknown_flags_message
 from slime_rc.config.arguments import add_rollout_correction_arguments, resolve_args, tis_function_from_args
 from slime_rc.config.schema import RolloutCorrectionConfig
 from slime_rc.demo.rollout.sglang_client import SGLangError
@@ -443,12 +444,38 @@ def _run_spawned(args: argparse.Namespace, launch: Launch, store: str) -> int:
 _TIS_FUNCTION_FLAG = "--custom-tis-function-path"
 
 
-def _main(argv: Optional[List[str]] = None) -> int:
-    parser = add_train_arguments(argparse.ArgumentParser(prog="slime-rc train", allow_abbrev=False))
+DESCRIPTION = (
+    "Run GRPO training with rollout correction: a small megatron-core model learns a synthetic task (--task) from "
+    "rollouts of a separate engine (in-process torch, SGLang or vLLM) with tunable train/rollout mismatch, and the "
+    "rollout-correction flags (the same as slime-rc config) correct it. Writes metrics.jsonl and config.json to "
+    "--output-dir. Every value is checked before any process starts.")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``slime-rc train`` parser: the training flags and the rollout-correction flags, no abbreviations (a
+    prefix of a flag is refused, not guessed).  The ``--custom-tis-function-path`` spec stays a string while
+    parsing: :func:`_main` loads the function once (argparse's own check of it would be a second load)."""
+    parser = add_train_arguments(argparse.ArgumentParser(
+        prog="slime-rc train", allow_abbrev=False, description=DESCRIPTION,
+        usage="%(prog)s [training flags...] [rollout-correction flags...]"))
     tis_flag = parser._option_string_actions.get(_TIS_FUNCTION_FLAG)  # argparse has no public lookup
     if tis_flag is not None:
-        tis_flag.type = None  # keep the spec a string while parsing; it is loaded once, below
-    args = parser.parse_args(argv)
+        tis_flag.type = None
+    return parser
+
+
+def parse_launch_line(parser: argparse.ArgumentParser, argv: Optional[List[str]]) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, but an unknown flag is refused naming it and the closest real flag
+    (``--tis-clp 2`` -> ``Did you mean '--tis-clip'?``): argparse alone only lists what it could not place."""
+    args, leftover = parser.parse_known_args(argv)
+    if leftover:
+        parser.error(unknown_flags_message(leftover, parser._option_string_actions))
+    return args
+
+
+def _main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parse_launch_line(parser, argv)
     try:
         tis_function = tis_function_from_args(args)
     except ValueError as e:  # as argparse reports a bad flag value
