@@ -22,6 +22,7 @@ The layout (slime's ``get_batch`` / ``cp_utils.slice_with_cp`` / ``get_logits_an
 from __future__ import annotations
 
 import math
+from itertools import accumulate
 from typing import List, Sequence, Tuple
 
 import torch
@@ -171,6 +172,54 @@ def expand_runs(starts: Sequence[Sequence[int]], lengths: Sequence[int], n: int,
     base = table[:-1, :k].index_select(0, token_sequence_ids(table[:, k], n))
     step = base[:, :stepping] + torch.arange(n, dtype=torch.int64, device=base.device)[:, None]
     return torch.cat([step, base[:, stepping:]], 1) if constant else step
+
+
+class ResponseLayout:
+    """slime's samples as one CP rank holds them: THE representation of slime's batch that the custom loss
+    (``slime_rc.slime.policy_loss``), the TIS functions (``slime_rc.slime.tis_contract``) and the TIS-function bridge
+    (``slime_rc.megatron.loss``) share -- per-sample Python ints in, packed-token index tensors out.
+
+    Sample ``i`` has ``totals[i]`` positions; its last ``responses[i]`` tokens are the response, scored by the
+    log-probs at positions ``total - response - 1 + j``.  This rank's packed stream holds ``local_lengths[i]``
+    positions of it (:func:`response_runs`) and ``counts[i]`` of its response log-probs, as ``runs``: ``(sample,
+    stream row, response position j, count)`` in stream order, at most two per sample.  ``n_tokens`` = the packed
+    response tokens (``sum(counts)``).  Host arithmetic only: no tensor until :meth:`index`."""
+
+    def __init__(self, totals: Sequence[int], responses: Sequence[int], cp_size: int = 1, cp_rank: int = 0):
+        self.totals, self.responses = [int(t) for t in totals], [int(r) for r in responses]
+        self.cp_size, self.cp_rank = cp_size, cp_rank
+        self.local_lengths: List[int] = []
+        self.counts: List[int] = []
+        self.runs: List[Tuple[int, int, int, int]] = []
+        row0 = 0
+        for i, (total, response) in enumerate(zip(self.totals, self.responses)):
+            local, held = response_runs(total, response, cp_size, cp_rank)
+            self.runs += [(i, row0 + at, j, n) for at, j, n in held]
+            self.counts.append(sum(n for _, _, n in held))
+            self.local_lengths.append(local)
+            row0 += local
+        self.n_tokens = sum(self.counts)
+
+    def index(self, device, *bases: Sequence[int], rows: bool = True) -> torch.Tensor:
+        """``[n_tokens, k]`` int64 on ``device``, one row per held response token in packed order: its stream row
+        (when ``rows``), ``base[sample] + j`` for each of ``bases`` (per-sample offsets, e.g. where the sample's
+        response starts in a concatenation of per-sample tensors; ``[0] * B`` gives ``j`` itself), and its sample.
+        One upload (:func:`expand_runs`), no host read."""
+        starts = [((row,) if rows else ()) + tuple(b[i] + j for b in bases) + (i,) for i, row, j, _ in self.runs]
+        return expand_runs(starts, [n for *_, n in self.runs], self.n_tokens, device,
+                           width=int(rows) + len(bases) + 1, constant=1)
+
+    def cu_seqlens(self, device) -> torch.Tensor:
+        """``[B + 1]`` int64: the packed response tokens' sequence boundaries."""
+        return upload(list(accumulate(self.counts, initial=0)), torch.int64, device)
+
+    def describe(self, flat_index: int) -> str:
+        """``sample i, response token j`` of packed index ``flat_index`` (Python ints only)."""
+        for sample, _, j, n in self.runs:
+            if flat_index < n:
+                return f"sample {sample}, response token {j + flat_index}"
+            flat_index -= n
+        raise IndexError("packed index past this rank's tokens")
 
 
 def zigzag_slice(values: torch.Tensor, total_length: int, response_length: int, cp_size: int,

@@ -34,7 +34,7 @@ from slime_rc.correction.packed import segment_sum, token_sequence_ids, upload
 from slime_rc.correction.reducer import LocalReducer, sum_named_values
 from slime_rc.megatron.reducers import megatron_reducer, megatron_step_group
 from slime_rc.losses import LossNormalizer, compute_policy_loss, loss_normalizer
-from slime_rc.megatron.cp_layout import expand_runs, response_positions, response_runs, zigzag_response_indices
+from slime_rc.megatron.cp_layout import ResponseLayout, response_positions, zigzag_response_indices
 from slime_rc.megatron.logprobs import vocab_parallel_log_probs
 
 _ZIGZAG_FIX = ("each sequence padded to 2 * cp * ceil(length / (2 * cp)) positions, CP rank r holding its chunks r and "
@@ -183,20 +183,6 @@ def _flat(value, what: str, device=None) -> torch.Tensor:
     raise ValueError(f"{what} is a {type(value).__name__}; expected a tensor (or a list of per-sample tensors)")
 
 
-def _held_ranges(lengths: Sequence[int], responses: Sequence[int], cp_size: int, cp_rank: int):
-    """Host arithmetic (no tensor): where this rank's response log-probs sit in its packed stream.  Returns the local
-    length of each sequence and, per held run of consecutive response positions, ``(sample, row, j, count)``: rows
-    ``row .. row + count - 1`` of the local stream hold response log-probs ``j .. j + count - 1``
-    (:func:`slime_rc.megatron.cp_layout.response_runs`, one sample at a time)."""
-    local, runs, row0 = [], [], 0
-    for i, (total, resp) in enumerate(zip(lengths, responses)):
-        n, held = response_runs(total, resp, cp_size, cp_rank)
-        runs += [(i, row0 + at, j, count) for at, j, count in held]
-        local.append(n)
-        row0 += n
-    return local, runs
-
-
 def tis_function_correction(tis_function: Callable, args, micro_batch: Dict[str, torch.Tensor],
                             train_log_probs: torch.Tensor, *,
                             config: Optional[RolloutCorrectionConfig] = None,
@@ -259,20 +245,17 @@ def tis_function_correction(tis_function: Callable, args, micro_batch: Dict[str,
                          f"{responses[i]} tokens: run with_sample_fields on the unsharded micro-batch")
     train = train_log_probs.detach().float().reshape(-1)
     device, n = train.device, train.numel()
-    local, runs = _held_ranges(lengths, responses, cp_size, cp_rank)
+    layout = ResponseLayout(lengths, responses, cp_size, cp_rank)
+    local = layout.local_lengths
     if sum(local) != n or pos.numel() != n:
         raise ValueError(f"this rank's micro-batch holds {n} log-probs and {pos.numel()} position_ids, but its "
                          f"{len(lengths)} samples of lengths {lengths} take {sum(local)} positions on CP rank "
                          f"{cp_rank} of {cp_size} (slime's zigzag layout); lay the micro-batch out "
                          f"as slime does: " + _ZIGZAG_FIX)
-    counts = [0] * len(lengths)
-    for i, _, _, c in runs:
-        counts[i] += c
-    n_local = sum(counts)
+    counts, n_local = layout.counts, layout.n_tokens
 
     # per held token (device, no read): its row in the stream, its response index j and its sample
-    idx, jj, sample = expand_runs([[row, j, i] for i, row, j, _ in runs], [c for *_, c in runs], n_local, device,
-                                  width=3, constant=1).unbind(1)
+    idx, jj, sample = layout.index(device, [0] * len(lengths)).unbind(1)
 
     # the layout the positions say must be the one computed above (checked on the device, read once by the caller)
     first = upload([t - r - 1 for t, r in zip(lengths, responses)], torch.int64, device)
@@ -374,6 +357,38 @@ def tis_function_correction(tis_function: Callable, args, micro_batch: Dict[str,
     return CorrectionResult(is_weights=torch.nan_to_num(weights, 0.0, 0.0, 0.0) * keep, keep_mask=keep, metrics=out)
 
 
+def mismatch_metrics(train_log_probs: torch.Tensor, micro_batch: Dict[str, torch.Tensor],
+                     config: RolloutCorrectionConfig, reducer: LocalReducer,
+                     checks: Optional[DeferredChecks] = None) -> Dict[str, torch.Tensor]:
+    """The engine's mismatch metrics (``k3_kl``, ``log_ppl_diff``, ``chi2_token``, ...: the names of
+    :data:`slime_rc.correction.metrics.METRICS`, without prefix) of this micro-batch's tokens over the CP group, with
+    nothing corrected: the same names whichever path corrects (the engine, or a TIS function, whose own metrics keep
+    its names under ``tis_function/``)."""
+    metrics_only = RolloutCorrectionConfig(get_mismatch_metrics=True, safety_bound=config.safety_bound,
+                                           on_nonfinite=config.on_nonfinite)
+    result = compute_rollout_correction(train_log_probs.detach().reshape(-1), micro_batch["rollout_log_probs"].reshape(-1),
+                                        micro_batch["loss_mask"].reshape(-1), micro_batch["cu_seqlens"], metrics_only,
+                                        reducer=reducer, checks=checks)
+    # what was rejected is the corrector's to say (nothing, in this metrics-only call)
+    return {k: v for k, v in result.metrics.items() if not k.startswith("rejected_")}
+
+
+def applied_correction_metrics(correction: CorrectionResult, micro_batch: Dict[str, torch.Tensor],
+                               reducer: LocalReducer) -> Dict[str, torch.Tensor]:
+    """What a TIS function did to this micro-batch, over the CP group, under the engine's names: the fraction of
+    loss tokens its masks removed (``rejected_token_fraction``) and the effective sample size of the weights it
+    applied on the kept tokens, ``(sum w)^2 / (n_kept * sum w^2)`` (``rollout_is_eff_sample_size``; 1 for weights of
+    1).  One ``sum_totals`` of 4 values; no host read."""
+    mask = micro_batch["loss_mask"].reshape(-1).double()
+    keep = correction.keep_mask.double() * (mask != 0)
+    w = correction.is_weights.double() * keep
+    totals = reducer.sum_totals(torch.stack([mask.sum(), keep.sum(), w.sum(), (w * w).sum()]))
+    n, kept, s1, s2 = totals.unbind()
+    return {"rejected_token_fraction": torch.where(n > 0, (n - kept) / n.clamp(min=1), 0.0),
+            "rollout_is_eff_sample_size": torch.where((kept > 0) & (s2 > 0), s1 * s1 / (kept * s2).clamp(min=1e-300),
+                                                      1.0)}
+
+
 def tis_function_metric_count(local_micro_batches: Sequence[Dict], per_token_loss: bool) -> float:
     """This rank's share of slime's denominator for the TIS function's metrics: its samples, or with per-token loss
     the sum over its samples of ``max(full mask sum, 1)`` (slime's ``num_tokens``).  Every CP rank counts the same
@@ -447,8 +462,11 @@ def policy_loss(logits: torch.Tensor, micro_batch: Dict[str, torch.Tensor], conf
         kwargs = dict(correction=prepared.correction, normalizer=prepared.normalizer)
     elif tis_function is not None:
         train = log_probs if config.mode == "bypass" else micro_batch["old_log_probs"]
-        kwargs = dict(correction=tis_function_correction(tis_function, tis_args, micro_batch, train, config=config,
-                                                         checks=checks))
+        correction = tis_function_correction(tis_function, tis_args, micro_batch, train, config=config, checks=checks)
+        cp_reducer = reducer if reducer is not None else _cp_reducer()
+        correction.metrics.update(applied_correction_metrics(correction, micro_batch, cp_reducer))
+        correction.metrics.update(mismatch_metrics(train, micro_batch, config, cp_reducer, checks))
+        kwargs = dict(correction=correction)
         # slime's contract: a TIS function's masks zero numerators only; the denominators stay the original masks'
         config = replace(config, rejected_in_denominator=True)
     loss, metrics = compute_policy_loss(

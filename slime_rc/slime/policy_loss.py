@@ -52,7 +52,7 @@ from slime_rc.correction.engine import compute_rollout_correction
 from slime_rc.correction.packed import segment_sum, upload
 from slime_rc.megatron.reducers import megatron_context_parallel
 from slime_rc.losses import LossNormalizer, compute_policy_loss, loss_normalizer
-from slime_rc.megatron.cp_layout import expand_runs, response_runs
+from slime_rc.megatron.cp_layout import ResponseLayout
 from slime_rc.megatron.logprobs import vocab_parallel_log_probs
 
 PATH = "slime_rc.slime.policy_loss_function"
@@ -138,35 +138,28 @@ class _Layout:
         if len(set(sizes.values())) != 1:
             raise ValueError(f"{PATH}: one entry per sample in slime's batch: " +
                              ", ".join(f"{k} {v}" for k, v in sizes.items()))
-        # runs of consecutive response tokens: (logit row, token index, full-mask index, sample) at their start
-        starts, lengths, self.runs, counts = [], [], [], []
-        offset = tok_offset = mask_offset = 0
         for i, (tok, total, resp, mask) in enumerate(zip(tokens, totals, responses, masks)):
             if not 0 <= resp < total or tok.numel() < total or mask.numel() != resp:
                 raise ValueError(f"{PATH}: sample {i}: total_lengths {total}, response_lengths {resp}, "
                                  f"{tok.numel()} unconcat_tokens and a loss mask of {mask.numel()}: a response "
                                  f"needs a prompt of >= 1 token, the tokens and a full-length mask")
-            local, runs = response_runs(total, resp, cp_size, cp_rank)
-            for at, j, length in runs:
-                # log-prob j sits at position total - resp - 1 + j and scores token total - resp + j
-                starts.append((offset + at, tok_offset + total - resp + j, mask_offset + j, i))
-                lengths.append(length)
-                self.runs.append((i, j, length))
-            counts.append(sum(length for _, _, length in runs))
-            offset += local
-            tok_offset += tok.numel()
-            mask_offset += resp
-        if offset > n_rows:
-            raise ValueError(f"{PATH}: the logits hold {n_rows} positions but this rank's samples need {offset} "
-                             f"(CP {cp_size}, rank {cp_rank}); pass the logits of the same micro-batch")
+        self.layout = layout = ResponseLayout(totals, responses, cp_size, cp_rank)
+        if sum(layout.local_lengths) > n_rows:
+            raise ValueError(f"{PATH}: the logits hold {n_rows} positions but this rank's samples need "
+                             f"{sum(layout.local_lengths)} (CP {cp_size}, rank {cp_rank}); pass the logits of the same "
+                             f"micro-batch")
         self.device = device
-        self.n_samples, self.totals, self.responses, self.counts = len(counts), totals, responses, counts
-        n = sum(counts)
+        self.n_samples, self.totals, self.responses, self.counts = len(totals), totals, responses, layout.counts
+        # where each sample's response starts among the concatenated tokens (log-prob j scores token
+        # total - resp + j) and among the concatenated full-length masks
+        token_start = [start + total - resp for start, total, resp in
+                       zip(accumulate([t.numel() for t in tokens], initial=0), totals, responses)]
+        mask_start = list(accumulate(responses, initial=0))
         # [N, 4]: logit row, token index, full-mask index, sample
-        index = expand_runs(starts, lengths, n, device, width=4, constant=1)
+        index = layout.index(device, token_start, mask_start)
         # the per-sample tensors, concatenated once and gathered once
         self.rows, self.sample_of_token = index[:, 0], index[:, 3]
-        self.cu_seqlens = upload(list(accumulate(counts, initial=0)), torch.int64, device)
+        self.cu_seqlens = layout.cu_seqlens(device)
         if self.n_samples:
             flat_tokens = torch.cat([t.reshape(-1) for t in tokens]).to(device, non_blocking=True)
             self.targets = flat_tokens.index_select(0, index[:, 1]).long()
@@ -200,11 +193,7 @@ class _Layout:
 
     def describe(self, flat_index: int) -> str:
         """Sample and response token of packed index ``flat_index`` (Python ints only)."""
-        for sample, j, length in self.runs:
-            if flat_index < length:
-                return f"sample {sample}, response token {j + flat_index}"
-            flat_index -= length
-        raise IndexError("packed index past this rank's tokens")
+        return self.layout.describe(flat_index)
 
 
 def _check_finite(checks: DeferredChecks, layout: _Layout, keep: torch.Tensor, name: str,

@@ -38,7 +38,7 @@ from slime_rc.correction.packed import token_sequence_ids, upload
 from slime_rc.correction.reducer import LocalReducer
 from slime_rc.megatron.reducers import megatron_context_parallel
 from slime_rc.slime.settings import get
-from slime_rc.megatron.cp_layout import expand_runs, response_runs
+from slime_rc.megatron.cp_layout import ResponseLayout
 
 TensorList = List[torch.Tensor]
 
@@ -77,9 +77,13 @@ class Batch:
             raise ValueError("one entry per sample in every list: got " + ", ".join(f"{k} {v}" for k, v in
                                                                                      counts.items()))
         cp_size, cp_rank = cp
-        # runs of consecutive tokens: (index in the concatenated full masks, response position, sample) at the start
-        starts, run_lengths, lengths, full_lengths = [], [], [], []
-        mask_offset = 0
+        layout = None
+        if total_lengths is not None and cp_size > 1:
+            for i, (total, resp) in enumerate(zip(total_lengths, response_lengths)):
+                if not 0 <= int(resp) <= int(total):
+                    raise ValueError(f"response_length={int(resp)} must lie in [0, total_length={int(total)}]")
+            layout = ResponseLayout(total_lengths, response_lengths, cp_size, cp_rank)
+        lengths, full_lengths = [], []
         for i, (t, r, m) in enumerate(zip(train_log_probs, rollout_log_probs, loss_masks)):
             for name, v in (("train_log_probs", t), ("rollout_log_probs", r), ("loss_masks", m)):
                 if not isinstance(v, torch.Tensor) or v.dim() != 1:
@@ -92,7 +96,6 @@ class Batch:
                 if m.numel() != t.numel():
                     raise ValueError(f"sample {i}: loss_masks holds {m.numel()} tokens, the log-probs "
                                      f"{t.numel()}; pass one mask per response, as long as its log-probs")
-                runs = [(0, t.numel())]
             else:
                 total, resp = int(total_lengths[i]), int(response_lengths[i])
                 if m.numel() != resp:
@@ -101,28 +104,22 @@ class Batch:
                                      f"masks and CP-local log-probs)")
                 if not 0 <= resp <= total:
                     raise ValueError(f"response_length={resp} must lie in [0, total_length={total}]")
-                # without CP a rank holds the whole response (megatron's layout, cp_layout.zigzag_response_indices)
-                runs = [(j, n) for _, j, n in response_runs(total, resp, cp_size, cp_rank)[1]]
-                if cp_size == 1:
-                    runs = [(0, resp)]
-                held = sum(n for _, n in runs)
+                # without CP a rank holds the whole response (megatron's layout, cp_layout.ResponseLayout)
+                held = resp if layout is None else layout.counts[i]
                 if held != t.numel():
                     raise ValueError(
                         f"sample {i}: train_log_probs holds {t.numel()} tokens but context-parallel rank {cp_rank} "
                         f"of {cp_size} holds {held} of its {resp} response tokens (total_lengths[{i}]={total}, "
                         f"megatron's zigzag layout); pass this rank's log-probs")
-            for j, n in runs:
-                starts.append((mask_offset + j, j, i))
-                run_lengths.append(n)
             lengths.append(t.numel())
             full_lengths.append(m.numel())
-            mask_offset += m.numel()
         self.n_samples, self.lengths, self.full_lengths = len(lengths), lengths, full_lengths
-        self.runs = [(i, j, n) for (_, j, i), n in zip(starts, run_lengths)]
+        # (sample, response position, count) of this rank's runs of consecutive response tokens
+        self.runs = ([(i, 0, n) for i, n in enumerate(lengths)] if layout is None
+                     else [(i, j, n) for i, _, j, n in layout.runs])
         self.full_masks = list(loss_masks)
         device = train_log_probs[0].device if lengths else torch.device("cpu")
         self.device = device
-        n_tokens = sum(lengths)
         # without CP every rank holds each whole response: the packed tokens ARE the full masks' positions, so the
         # gathers and scatters between the two are the identity (skipped)
         self.whole = total_lengths is None or cp_size == 1
@@ -131,7 +128,8 @@ class Batch:
             self.full_index = self.positions = None
             self._sample_of_token = None  # built on first use: slime's semantics (slime_rc.slime.mis) never need it
         else:
-            index = expand_runs(starts, run_lengths, n_tokens, device, width=3, constant=1)
+            # [N, 3]: index in the concatenated full masks, response position, sample
+            index = layout.index(device, list(accumulate(full_lengths, initial=0)), [0] * len(lengths), rows=False)
             self.full_index, self.positions, self._sample_of_token = index[:, 0], index[:, 1], index[:, 2]
         if lengths:
             self.train = torch.cat([t.reshape(-1) for t in train_log_probs]).to(device, non_blocking=True).float()

@@ -205,6 +205,8 @@ def compute_metrics_only_with_cp(args, *, pg_loss, train_log_probs, rollout_log_
 def _metrics_only_compute(args):
     for name, what in CORRECTING:
         value = get(args, name)
+        if name == "rollout_correction_config" and value is not None and not value.corrects:
+            continue  # a resolved config that corrects nothing (slime-rc train's --get-mismatch-metrics)
         if value not in (None, False):
             raise ValueError(f"{METRICS_ONLY_PATH}: args.{name}={value!r} asks for {what}, which this monitoring-only "
                              f"function would ignore; drop it to log the metrics only, or use "
