@@ -161,7 +161,7 @@ def _slime_loss_func(config, mbs: List[dict], n_samples: int):
     from megatron.core import parallel_state as ps
 
     from slime_rc.megatron.cp_layout import zigzag_slice
-    from slime_rc.megatron.loss import with_sample_fields
+    from slime_rc.slime.tis_bridge import with_sample_fields
     from slime_rc.slime import policy_loss_function
 
     cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
@@ -218,13 +218,15 @@ def _policy_step(M, model, optimizer, mbs: List[dict], convention: str, forward_
     if convention in TIS_FUNCTIONS:
         import argparse
 
-        from slime_rc.megatron.loss import with_sample_fields
+        from slime_rc.slime.tis_bridge import with_sample_fields
         from slime_rc.plugins import load_function
         mbs = [with_sample_fields(mb) for mb in mbs]
         # the caller's args: slime's keys unset (None), as a launch line without them leaves them; the function
         # must get a copy with the resolved values
-        tis = dict(tis_function=load_function(TIS_FUNCTIONS[convention]),
-                   tis_args=argparse.Namespace(tis_upper_bound=None, tis_lower_bound=None, use_tis=None))
+        from slime_rc.slime.tis_bridge import tis_function_correction_for
+        tis = dict(external=tis_function_correction_for(
+            load_function(TIS_FUNCTIONS[convention]),
+            argparse.Namespace(tis_upper_bound=None, tis_lower_bound=None, use_tis=None)))
     local = M.shard_for_step(model, mbs)
     prepared = prepare_global_batch(local, config) if convention == PRE else None
     if convention == SLIMELOSS:

@@ -18,6 +18,7 @@ import torch
 
 from slime_rc import RolloutCorrectionConfig, compute_policy_loss, cu_seqlens_from_lengths
 from slime_rc.correction.reducer import LocalReducer
+from slime_rc.slime.tis_bridge import tis_function_correction_for
 from slime_rc.testing.host_reads import HostReads
 from tests.test_losses import CONFIGS, _batch, _micro_batch
 
@@ -69,7 +70,7 @@ def _tis_function(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_mas
 
 
 def _tis_micro_batch(device="cpu"):
-    from slime_rc.megatron.loss import with_sample_fields
+    from slime_rc.slime.tis_bridge import with_sample_fields
     b = _batch(13)
     cu = b["cu"]
     b["mask"][cu[1:] - 1] = 0.0  # the last position of a sequence has no target
@@ -114,7 +115,7 @@ def test_megatron_loss_function_makes_no_host_read_of_its_own(variant, mode, loc
         call = lambda: policy_loss(logits, mb, cfg, prepared=p, reducer=LocalReducer())  # noqa: E731
     else:
         mb, logits = _tis_micro_batch()
-        loss_fn = make_loss_func(cfg, tis_function=_tis_function)
+        loss_fn = make_loss_func(cfg, external=tis_function_correction_for(_tis_function, None))
         call = lambda: loss_fn(logits, mb)  # noqa: E731
     (loss, metrics), reads = _count(call)
     parts = _split(reads)
@@ -176,7 +177,7 @@ def test_megatron_loss_function_total_host_reads(variant, mode, local_cp):
         _, reads = _count(lambda: policy_loss(logits, mb, cfg, prepared=p, reducer=LocalReducer()))
     elif variant == "tis_function":
         mb, logits = _tis_micro_batch()
-        loss_fn = make_loss_func(cfg, tis_function=_tis_function)
+        loss_fn = make_loss_func(cfg, external=tis_function_correction_for(_tis_function, None))
         _, reads = _count(lambda: loss_fn(logits, mb))
     else:
         loss_fn = make_loss_func(cfg)
@@ -231,10 +232,11 @@ def test_tis_bridge_layout_check_is_deferred_and_still_names_the_sample(local_cp
     mb["position_ids"] = mb["position_ids"].clone()
     mb["position_ids"][7:9] = mb["position_ids"][7:9].flip(0)  # sample 2 (lengths 5, 1, 7, ...): swapped
     cfg = _cfg("decoupled_token_tis", "error")
-    with pytest.raises(ValueError, match=r"sample 2 .*this rank holds response positions .*shard_micro_batch"):
-        make_loss_func(cfg, tis_function=_tis_function)(logits, mb)
+    with pytest.raises(ValueError, match=r"sample 2 .*this rank holds response positions .*packed_zigzag_positions"):
+        make_loss_func(cfg, external=tis_function_correction_for(_tis_function, None))(logits, mb)
     with pytest.raises(RuntimeError, match="zigzag layout"):  # reject mode: a device-side assert (CPU: raises)
-        make_loss_func(_cfg("decoupled_token_tis", "reject"), tis_function=_tis_function)(logits, mb)
+        make_loss_func(_cfg("decoupled_token_tis", "reject"),
+                       external=tis_function_correction_for(_tis_function, None))(logits, mb)
 
 
 # ---- on the meta device: no host read is possible, and nothing may be created off the inputs' device ---------------
@@ -260,7 +262,7 @@ def test_megatron_loss_runs_on_the_meta_device(name):
 
 
 def test_tis_bridge_runs_on_the_meta_device():
-    from slime_rc.megatron.loss import tis_function_correction
+    from slime_rc.slime.tis_bridge import tis_function_correction
     mb, _ = _tis_micro_batch("meta")
     corr = tis_function_correction(_tis_function, None, mb, mb["old_log_probs"],
                                    config=_cfg("decoupled_token_tis", "reject"))

@@ -300,7 +300,8 @@ def test_megatron_policy_loss_prestep_path_is_the_global_batch_loss():
 def test_megatron_policy_loss_with_a_slime_tis_function_equals_the_builtin_engine():
     import types
     from custom_tis.mis import compute_mis_weights_with_cp
-    from slime_rc.megatron.loss import policy_loss, with_sample_fields
+    from slime_rc.megatron.loss import policy_loss
+    from slime_rc.slime.tis_bridge import tis_function_correction_for, with_sample_fields
     from slime_rc.plugins import load_function
     from slime_rc.correction.reducer import LocalReducer
     cfg = RolloutCorrectionConfig(is_level="sequence", rs=parse_rejection_criteria("token", 1.5), veto_threshold=0.5)
@@ -313,8 +314,8 @@ def test_megatron_policy_loss_with_a_slime_tis_function_equals_the_builtin_engin
     args = types.SimpleNamespace(rollout_correction_config=cfg)
     assert load_function("mis") is compute_mis_weights_with_cp
     lp = logits.clone().requires_grad_(True)
-    custom, m1 = policy_loss(lp, mb, cfg, reducer=LocalReducer(), tis_function=compute_mis_weights_with_cp,
-                             tis_args=args)
+    external = tis_function_correction_for(compute_mis_weights_with_cp, args)
+    custom, m1 = policy_loss(lp, mb, cfg, reducer=LocalReducer(), external=external)
     custom.backward()
     lp2 = logits.clone().requires_grad_(True)
     # a TIS function's masks zero numerators only (slime's contract): the engine with rejected tokens kept in the
@@ -323,9 +324,15 @@ def test_megatron_policy_loss_with_a_slime_tis_function_equals_the_builtin_engin
     builtin, m2 = policy_loss(lp2, mb, replace(cfg, rejected_in_denominator=True), reducer=LocalReducer())
     builtin.backward()
     assert float(m2["rollout_corr/rollout_rs_masked_fraction"]) > 0  # the case rejects something
-    assert any(k.startswith("rollout_corr/tis_function/") for k in m1) and not set(m1) & set(m2) - {"pg_loss", "pg_clipfrac", "ppo_kl"}
+    assert any(k.startswith("rollout_corr/tis_function/") for k in m1)
+    # one set of names: the mismatch metrics and what was applied are the engine's, with the engine's values
+    shared = sorted(set(m1) & set(m2) - {"pg_loss", "pg_clipfrac", "ppo_kl"})
+    assert {"rollout_corr/k3_kl", "rollout_corr/rejected_token_fraction",
+            "rollout_corr/rollout_is_eff_sample_size"} <= set(shared), shared
+    for k in shared:
+        assert float(m1[k]) == pytest.approx(float(m2[k]), rel=1e-6, abs=1e-9), k
     assert float(custom) == pytest.approx(float(builtin), rel=1e-6)
     torch.testing.assert_close(lp.grad, lp2.grad, rtol=1e-6, atol=1e-9)
     with pytest.raises(ValueError, match="with_sample_fields"):
         policy_loss(logits, {k: v for k, v in mb.items() if k != "sample_lengths"}, cfg, reducer=LocalReducer(),
-                    tis_function=compute_mis_weights_with_cp, tis_args=args)
+                    external=external)

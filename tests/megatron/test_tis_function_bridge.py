@@ -15,8 +15,8 @@ import torch
 from slime_rc import RolloutCorrectionConfig, parse_rejection_criteria
 from slime_rc.config.schema import RS_OPTIONS
 from slime_rc.megatron.cp_layout import packed_zigzag_positions, zigzag_response_indices, zigzag_slice
-from slime_rc.megatron.loss import (TIS_FUNCTION_METRICS, reduce_tis_function_metrics, tis_function_correction,
-                                    with_sample_fields)
+from slime_rc.slime.tis_bridge import (TIS_FUNCTION_METRICS, reduce_tis_function_metrics, tis_function_correction,
+                                       tis_function_correction_for, with_sample_fields)
 from slime_rc.config.slime_attributes import SLIME_ATTRIBUTES, slime_attributes, with_slime_attributes
 
 CONFIGS = {
@@ -278,8 +278,9 @@ def test_function_masks_zero_numerators_only_as_in_slime():
                                        response_lengths=response_lengths, **kw)
         return out * torch.cat([m.float() for m in masks]), list(loss_masks), metrics
 
-    losses = [float(policy_loss(logits, lmb, config, reducer=LocalReducer(), tis_function=fn,
-                                tis_args=argparse.Namespace())[0]) for fn in (dropping, zero_weight)]
+    losses = [float(policy_loss(logits, lmb, config, reducer=LocalReducer(),
+                                external=tis_function_correction_for(fn, argparse.Namespace()))[0])
+              for fn in (dropping, zero_weight)]
     assert losses[0] == pytest.approx(losses[1], rel=1e-6, abs=1e-7) and losses[0] != 0.0
 
 

@@ -433,7 +433,7 @@ class RankZeroRollout:
 def pack_micro_batches(samples: List[dict], advantages: torch.Tensor, n_micro: int) -> List[dict]:
     """Samples -> ``n_micro`` packed micro-batches (contiguous blocks).  Position ``k`` of a sequence predicts token
     ``k + 1``: the response token ``j`` (at ``P + j``) is predicted at ``P - 1 + j``.  ``response_lengths`` (one per
-    sequence) is slime's ``response_lengths`` for a TIS function (``slime_rc.megatron.loss.with_sample_fields``)."""
+    sequence) is slime's ``response_lengths`` for a TIS function (``slime_rc.slime.tis_bridge.with_sample_fields``)."""
     if len(samples) % n_micro:
         raise ValueError(f"{len(samples)} samples do not split into micro_batches={n_micro}")
     per = len(samples) // n_micro
@@ -578,11 +578,14 @@ def run_training(settings: TrainSettings, config: RolloutCorrectionConfig,
 
     from slime_rc.demo import model as M
     from slime_rc.megatron.logprobs import vocab_parallel_log_probs
-    from slime_rc.megatron.loss import (TIS_FUNCTION_METRICS, make_loss_func, prepare_global_batch,
-                                 reduce_tis_function_metrics, with_sample_fields)
+    from slime_rc.megatron.loss import make_loss_func, prepare_global_batch
+    from slime_rc.slime.tis_bridge import (TIS_FUNCTION_METRICS, reduce_tis_function_metrics,
+                                           tis_function_correction_for, with_sample_fields)
 
     s = settings
     s.check(config)
+    # the slime integration's bridge, handed to the loss as its correction (the loss does not import it)
+    external = None if tis_function is None else tis_function_correction_for(tis_function, tis_args)
     M.initialize_parallel(s.tp, s.pp, s.cp, s.vpp, s.sequence_parallel, seed=1234 + s.seed)
     try:
         cfg = s.model_config()
@@ -658,7 +661,7 @@ def run_training(settings: TrainSettings, config: RolloutCorrectionConfig,
                 dump_step(s.dump_logprobs, step, batch, current, r, adv, config.mode)
 
             loss_fn = make_loss_func(config, temperature=s.temperature, prepared=prepared,
-                                     num_microbatches=len(mine), tis_function=tis_function, tis_args=tis_args)
+                                     num_microbatches=len(mine), external=external)
             result = M.train_step(model, optimizer, mine, loss_fn, local_micro_batches=local_mbs)
             per_mb, function_metrics = {}, {}
             if tis_function is not None and ps.is_pipeline_last_stage(ignore_virtual=True):
