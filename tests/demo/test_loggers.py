@@ -190,3 +190,81 @@ def test_slime_rc_train_logs_to_tensorboard_and_wandb_offline(tmp_path):
     data = _wandb_run_file(out)
     for key in ("train/step", "train/loss", "train/rollout_corr/k3_kl", "slime-rc-test", "e2e"):
         assert key.encode() in data, key
+
+
+# ---- heavy rejection: warned once, counted at the end, in summary.json -------------------------------------------
+def _rejecting_config():
+    from slime_rc.config.schema import RolloutCorrectionConfig
+    return RolloutCorrectionConfig.preset("bypass_pg_geo_rs_seq_tis")
+
+
+def _step(step, rejected, tokens=100, warm=False):
+    m = {"step": step, "rejected_tokens": rejected, "loss_tokens": tokens, "kept_fraction": 1.0 - rejected / tokens}
+    return {**m, "warm_start": True} if warm else m
+
+
+def test_rejection_watch_warns_once_at_the_first_step_above_the_shared_level_and_counts_the_rest():
+    from slime_rc.demo.train.loggers import RejectionWatch
+    from slime_rc.tools.analyze.thresholds import MAX_REJECTED_FRACTION
+    above = int(100 * MAX_REJECTED_FRACTION) + 30
+    watch = RejectionWatch(_rejecting_config(), {"rs": "preset bypass_pg_geo_rs_seq_tis"}, total_steps=4,
+                           warm_start_steps=1)
+    said = [watch.observe(m) for m in (_step(0, 90, warm=True), _step(1, 0), _step(2, above), _step(3, 100),
+                                       _step(4, int(100 * MAX_REJECTED_FRACTION)))]
+    assert said[:2] == [None, None] and said[3:] == [None, None]  # a warm-start step and a step at the level: quiet
+    first = said[2]
+    assert first.startswith("warning: step 2/4 rejected") and f"{above:.1f}% of tokens" in first
+    assert f"above {100 * MAX_REJECTED_FRACTION:g}%" in first
+    assert "seq_mean_k1 [0.999, 1.001] (from preset bypass_pg_geo_rs_seq_tis)" in first and "--rs-upper-bound" in first
+    assert "slime-rc analyze" in first
+    s = watch.summary()
+    assert (s["steps_above"], s["grpo_steps"], s["first_step"], s["threshold"]) == (2, 4, 2, MAX_REJECTED_FRACTION)
+    assert s["first_token_fraction"] == pytest.approx(above / 100) and s["max_token_fraction"] == 1.0
+    assert watch.end_lines() == [s["message"]] and "2 of 4 GRPO steps" in s["message"]
+
+
+def test_rejection_watch_is_silent_when_no_step_rejects_too_much():
+    from slime_rc.demo.train.loggers import RejectionWatch
+    watch = RejectionWatch(_rejecting_config(), total_steps=3)
+    assert [watch.observe(_step(i, 5)) for i in range(3)] == [None] * 3
+    assert watch.summary() is None and watch.end_lines() == []
+
+
+def _train(out, *flags):
+    return subprocess.run([sys.executable, "-m", "slime_rc", "train", "--num-steps", "3", "--prompts-per-step", "4",
+                           "--group-size", "4", "--micro-batches", "2", "--hidden-size", "32", "--num-layers", "1",
+                           "--rollout-correction-preset", "bypass_pg_geo_rs_seq_tis", "--no-use-tensorboard",
+                           "--output-dir", str(out), *flags],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+
+def test_train_warns_about_heavy_rejection_on_the_console_and_in_the_summary(tmp_path):
+    """The geometric band [0.999, 1.001] under --logit-noise 0.5 rejects nearly every token: one warning at the first
+    step, a count at the end, and summary.json's rejection_warning, matching metrics.jsonl; the same preset without
+    mismatch (fp32 rollouts, no noise) rejects nothing and says nothing."""
+    from slime_rc.demo.train.loggers import rejected_fractions
+    from slime_rc.tools.analyze.thresholds import MAX_REJECTED_FRACTION
+    proc = _train(tmp_path / "noisy", "--logit-noise", "0.5")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "noisy" / "metrics.jsonl").read_text().splitlines()]
+    above = [r for r in rows if max(f or 0.0 for f in rejected_fractions(r)) > MAX_REJECTED_FRACTION]
+    assert above, "the test needs a step above the level"
+    lines = proc.stdout.splitlines()
+    warnings = [x for x in lines if x.startswith("warning:")]
+    assert len(warnings) == 2, proc.stdout  # the first step's line and the end-of-run count, not one per step
+    first_at = lines.index(warnings[0])
+    assert lines[first_at - 1].startswith(f"step {above[0]['step'] + 1:>4}/3")  # right after that step's line
+    tokens = 100 * rejected_fractions(above[0])[0]
+    for text in (f"step {above[0]['step'] + 1}/3 rejected {tokens:.1f}% of tokens",
+                 f"above {100 * MAX_REJECTED_FRACTION:g}%", "seq_mean_k1 [0.999, 1.001]", "--rs-upper-bound",
+                 "slime-rc analyze"):
+        assert text in warnings[0], (text, warnings[0])
+    assert warnings[1].startswith(f"warning: {len(above)} of 3 GRPO steps rejected more than")
+    summary = json.loads((tmp_path / "noisy" / "summary.json").read_text())["rejection_warning"]
+    assert summary["steps_above"] == len(above) and summary["threshold"] == MAX_REJECTED_FRACTION
+    assert summary["first_step"] == above[0]["step"] and summary["message"] == warnings[1]
+
+    quiet = _train(tmp_path / "quiet", "--rollout-dtype", "fp32")
+    assert quiet.returncode == 0, quiet.stderr[-3000:]
+    assert "warning:" not in quiet.stdout
+    assert json.loads((tmp_path / "quiet" / "summary.json").read_text())["rejection_warning"] is None

@@ -272,11 +272,12 @@ def test_breakdowns_add_up_to_the_engine_metrics(dumps):
 
 # ---- the recommendation ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("scenario,preset,severity,length,cited", [
-    ("negligible", "bypass_ppo_clip", "negligible", None, "NEGLIGIBLE_K3"),
-    ("short_moderate", "decoupled_seq_is", "moderate", "short", "LONG_SEQ_TOKENS"),
-    ("short_severe", "decoupled_seq_is_rs", "severe", "short", "SEVERE_"),
-    ("long_moderate", "decoupled_geo_rs", "moderate", "long", "LONG_SEQ_TOKENS = 1024"),
-    ("long_mild", "decoupled_geo_rs_seq_tis", "moderate", "long", "LONG_SEQ_TOKENS = 1024"),
+    ("negligible", "bypass_ppo_clip", "negligible", None, f"per token is below {R.NEGLIGIBLE_K3:g}"),
+    ("short_moderate", "decoupled_seq_is", "moderate", "short", f"is below {R.LONG_SEQ_TOKENS} tokens"),
+    # Seq-MIS / Geo-RS are the guide's choices there, but they reject more than MAX_REJECTED_FRACTION: their safer twin
+    ("short_severe", "decoupled_seq_is", "severe", "short", f"per token is at or above {R.SEVERE_K3:g}"),
+    ("long_moderate", "decoupled_token_is", "moderate", "long", f"is at or above {R.LONG_SEQ_TOKENS} tokens"),
+    ("long_mild", "decoupled_geo_rs_seq_tis", "moderate", "long", f"is at or above {R.LONG_SEQ_TOKENS} tokens"),
     ("bypass", "bypass_pg_is", "moderate", "short", "recorded in bypass mode"),
 ])
 def test_recommendation_follows_the_decision_guide(dumps, capsys, scenario, preset, severity, length, cited):
@@ -361,30 +362,70 @@ def test_severe_mismatch_without_a_high_weight_tail_gets_seq_tis_without_veto(tm
     cfg = RolloutCorrectionConfig.preset("decoupled_seq_is")
     out = engine_on_whole_dump(write_dump(tmp_path / "again", floor_records(), steps=2), cfg)
     assert close(tis["metrics"]["rollout_is_mean"], float(out.metrics["rollout_is_mean"]), rel=1e-6)
-    # a high-weight tail keeps Seq-MIS; a veto that drops few samples stays on a sequence-IS choice
+    # a high-weight tail makes Seq-MIS the guide's choice (here it then rejects too much: Seq-TIS, said why); a veto
+    # that drops few samples stays on a sequence-IS choice
     severe = analyze(dumps["short_severe"])
-    assert severe["recommended_preset"] == "decoupled_seq_is_rs"
+    assert any(r_.startswith("Seq-MIS (decoupled_seq_is_rs)") for r_ in severe["reasons"]), severe["reasons"]
+    assert any(r_.startswith("decoupled_seq_is rather than decoupled_seq_is_rs") for r_ in severe["reasons"])
     assert severe["presets"]["decoupled_seq_is"]["metrics"]["rollout_is_seq_fraction_high"] >= R.SEQ_MIS_HIGH_FRACTION
     few = analyze(dumps["catastrophic"])
     assert few["rollout_is_veto_fraction"] <= R.MAX_VETO_SEQ_FRACTION and "--rs-veto-threshold" in few["recommendation"]["flags"]
 
 
 def test_tight_geometric_band_is_flagged_with_a_band_the_engine_confirms(dumps):
-    """Long samples with moderate mismatch: the default geometric band [0.999, 1.001] rejects most samples; the
-    warning's suggested band, run through the launch-flag resolution and the engine, keeps >= 95% of them."""
+    """Long samples with moderate mismatch: the default geometric band [0.999, 1.001] of Geo-RS rejects most samples,
+    so Geo-RS is not recommended; the reason's suggested band for it, run through the launch-flag resolution and the
+    engine, keeps >= 95% of them."""
     import argparse
 
     from slime_rc import add_rollout_correction_arguments, config_from_args
     r = analyze(dumps["long_moderate"])
-    rec = r["recommendation"]
-    row = r["presets"][r["recommended_preset"]]
-    assert row["rejected_seq_fraction"] > R.MAX_REJECTED_SEQ_FRACTION
+    assert r["presets"]["decoupled_geo_rs"]["rejected_seq_fraction"] > R.MAX_REJECTED_FRACTION
     lo, hi = r["geometric_band_95"]
     flag = f"--rs-upper-bound {lo}_{hi}"
-    assert lo < 1 < hi and any(flag in w for w in rec["warnings"]), rec["warnings"]
-    args = add_rollout_correction_arguments(argparse.ArgumentParser()).parse_args(rec["flags"].split() + flag.split())
+    skipped = [x for x in r["reasons"] if "rather than decoupled_geo_rs:" in x]
+    assert lo < 1 < hi and len(skipped) == 1 and flag in skipped[0], r["reasons"]
+    args = add_rollout_correction_arguments(argparse.ArgumentParser()).parse_args(
+        "--rollout-correction-preset decoupled_geo_rs".split() + flag.split())
     out = engine_on_whole_dump(dumps["long_moderate"], config_from_args(args))
     assert float(out.metrics["rejected_seq_fraction"]) <= 0.05
+
+
+GUIDE_CHOICE = {"short_severe": "decoupled_seq_is_rs", "long_moderate": "decoupled_geo_rs"}  # before the rejection check
+
+
+@pytest.mark.parametrize("scenario", sorted(GUIDE_CHOICE))
+def test_a_preset_rejecting_more_than_the_shared_level_is_never_recommended(dumps, scenario):
+    """The guide's first choice rejects more than MAX_REJECTED_FRACTION of the dump: the recommendation is a preset the
+    engine says rejects less, a reason says why in numbers, and no warning then warns about its rejection."""
+    from slime_rc.tools.analyze.thresholds import MAX_REJECTED_FRACTION
+    r = analyze(dumps[scenario])
+    rec, first = r["recommendation"], r["presets"][GUIDE_CHOICE[scenario]]
+    assert max(first["rejected_token_fraction"], first["rejected_seq_fraction"]) > MAX_REJECTED_FRACTION
+    chosen = r["presets"][r["recommended_preset"]]
+    assert "--rs-veto-threshold" not in rec["flags"]  # so the row is the recommendation's own numbers
+    assert chosen["rejected_token_fraction"] <= MAX_REJECTED_FRACTION
+    assert chosen["rejected_seq_fraction"] <= MAX_REJECTED_FRACTION
+    why = [x for x in r["reasons"] if f"rather than {GUIDE_CHOICE[scenario]}:" in x]
+    assert len(why) == 1, r["reasons"]
+    assert f"{100 * first['rejected_seq_fraction']:.3g}% of samples" in why[0]
+    assert f"above {100 * MAX_REJECTED_FRACTION:g}%" in why[0]
+    assert not any(f"above {100 * MAX_REJECTED_FRACTION:g}%" in w for w in rec["warnings"]), rec["warnings"]
+
+
+def test_no_report_line_names_a_constant(dumps, tmp_path):
+    """Reasons, warnings and notes are sentences with numbers: no UPPER_CASE identifier (the guide's thresholds, the
+    shared rejection level) in any line of the text report, whatever the scenario."""
+    import re
+
+    from slime_rc.tools.analyze import accumulate, format_report, thresholds
+    names = {k for module in (R, thresholds, accumulate) for k in vars(module) if k.isupper() and "_" in k}
+    assert "SEVERE_K3" in names and "MAX_REJECTED_FRACTION" in names
+    paths = list(dumps.values()) + [write_dump(tmp_path, floor_records(), steps=2)]  # the no-veto reason too
+    for path in paths:
+        for line in format_report(analyze(path)).splitlines():
+            assert not re.search(r"\b[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+\b", line), line
+            assert not any(n in line for n in names), line
 
 
 # ---- the command -------------------------------------------------------------------------------------------------

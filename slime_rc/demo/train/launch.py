@@ -51,7 +51,8 @@ from slime_rc.demo.rollout.sglang_client import SGLangError
 from slime_rc.sglang_output import check_sampling_consistency
 from slime_rc.demo.train import interrupt
 from slime_rc.demo.train.interrupt import Interrupted
-from slime_rc.demo.train.loggers import LoggingPlan, add_logging_arguments, open_loggers, plan_logging
+from slime_rc.demo.train.loggers import (LoggingPlan, RejectionWatch, add_logging_arguments, open_loggers,
+                                         plan_logging)
 from slime_rc.demo.train.loop import MODELS, TrainSettings, run_training, settings_dict
 from slime_rc.demo.train.study import run_summary, summary_lines, write_summary
 
@@ -315,6 +316,8 @@ def _worker(rank: int, world: int, init_method: str, args: argparse.Namespace, l
     settings, config = launch.settings, launch.config
     loggers = None
     finished = 0  # steps logged (rank 0)
+    # heavy rejection: warned once at its first step, counted at the end and in summary.json
+    watch = RejectionWatch(config, launch.sources, settings.num_steps, settings.warm_start_steps)
 
     def on_step(m: dict) -> None:
         nonlocal finished
@@ -322,6 +325,9 @@ def _worker(rank: int, world: int, init_method: str, args: argparse.Namespace, l
             return
         with interrupt.atomic():  # a signal now stops the run after this step's line, never inside it
             print(_line(m, settings.num_steps, settings.warm_start_steps), flush=True)
+            warning = watch.observe(m)
+            if warning:
+                print(warning, flush=True)
             loggers.log(m)
             finished += 1
 
@@ -369,7 +375,8 @@ def _worker(rank: int, world: int, init_method: str, args: argparse.Namespace, l
                       f"{first['exact_fraction']:.0%} -> {last['exact_fraction']:.0%}"
                       + (f"; metrics in {args.output_dir}/metrics.jsonl" if args.output_dir else ""), flush=True)
                 summary = run_summary(history)
-                for line in summary_lines(summary):
+                summary["rejection_warning"] = watch.summary()
+                for line in summary_lines(summary) + watch.end_lines():
                     print(line, flush=True)
                 if args.output_dir:
                     with interrupt.atomic():

@@ -14,6 +14,11 @@ and wandb writes under ``--output-dir`` unless told otherwise (slime's: ``./wand
 
 :func:`plan_logging` runs once in the launcher (a flag asking for a package that is not installed fails the launch
 there); rank 0 opens the plan with :func:`open_loggers`.
+
+:class:`RejectionWatch` watches the same per-step metrics for a correction that rejects more than
+:data:`~slime_rc.tools.analyze.thresholds.MAX_REJECTED_FRACTION` of a step's tokens or samples (the level at which
+``slime-rc analyze`` recommends a safer preset): one console warning at the first such step, a count at the end of
+the run, and the same in ``summary.json`` (``rejection_warning``).
 """
 
 from __future__ import annotations
@@ -25,7 +30,10 @@ import importlib.util
 import json
 import os
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
+
+from slime_rc.config.schema import RolloutCorrectionConfig
+from slime_rc.tools.analyze.thresholds import MAX_REJECTED_FRACTION, exceeds, level_sentence
 
 STEP_KEY = "train/step"  # slime's step axis of the training metrics
 PREFIX = "train/"
@@ -223,3 +231,108 @@ def open_loggers(plan: LoggingPlan, output_dir: Optional[str], config: Optional[
         Loggers(opened).close()
         raise
     return Loggers(opened)
+
+
+def rejected_fractions(metrics: dict) -> Tuple[Optional[float], Optional[float]]:
+    """``(token fraction, sample fraction)`` one GRPO step rejected (``None``: not logged).  Tokens: the step's
+    ``rejected_tokens`` over its ``loss_tokens``, else ``rollout_corr/rejected_token_fraction``; samples:
+    ``rollout_corr/rejected_seq_fraction``, else the samples the group baselines left out (``1 - kept_fraction``)."""
+    tokens = metrics.get("rollout_corr/rejected_token_fraction")
+    if metrics.get("rejected_tokens") is not None and metrics.get("loss_tokens"):
+        tokens = metrics["rejected_tokens"] / metrics["loss_tokens"]
+    samples = metrics.get("rollout_corr/rejected_seq_fraction")
+    if samples is None and metrics.get("kept_fraction") is not None:
+        samples = 1.0 - metrics["kept_fraction"]
+    return tokens, samples
+
+
+def _from(sources: Dict[str, str], field: str) -> str:
+    """`` (from <who set it>)`` for a config field set by a preset or a flag, else nothing."""
+    who = sources.get(field)
+    return f" (from {who})" if who and who != "default" else ""
+
+
+def rejecting_settings(config: RolloutCorrectionConfig, sources: Optional[Dict[str, str]] = None) -> str:
+    """What in ``config`` rejects and how to loosen it, in words (``sources``: who set each field, as in
+    ``config.json``), so that a warning names the setting to change."""
+    from slime_rc.tools.analyze.accumulate import describe_rs  # the band as analyze prints it
+    sources = sources or {}
+    parts = []
+    if config.rs:
+        parts.append(f"the rejection band {describe_rs(config)}{_from(sources, 'rs')}: widen it with "
+                     f"--rs-upper-bound LOWER_UPPER")
+    if config.veto_threshold is not None:
+        parts.append(f"the veto at ratio {config.veto_threshold:g}{_from(sources, 'veto_threshold')}: lower "
+                     f"--rs-veto-threshold")
+    if config.is_enabled and config.is_mode == "mask":
+        parts.append(f"IS mask mode [{config.is_lower:g}, {config.is_upper_bound:g}]{_from(sources, 'is_mode')}: "
+                     f"widen --tis-lower-bound / --tis-upper-bound")
+    if config.on_nonfinite == "reject":
+        parts.append("on_nonfinite=reject: samples with a non-finite log-prob are dropped")
+    if not parts:
+        parts.append("no rejection setting of the resolved configuration (a --custom-tis-function-path function's "
+                     "keep mask?)")
+    return "; ".join(parts)
+
+
+class RejectionWatch:
+    """Rank 0's watch on rejection: :meth:`observe` each step's metrics (the warning line at the first GRPO step
+    above :data:`MAX_REJECTED_FRACTION`, else None -- one line per run, not one per step), :meth:`summary` and
+    :meth:`end_lines` at the end (how many steps, the first and the largest fractions, what to change)."""
+
+    def __init__(self, config: RolloutCorrectionConfig, sources: Optional[Dict[str, str]] = None,
+                 total_steps: int = 0, warm_start_steps: int = 0):
+        self.settings = rejecting_settings(config, sources)
+        self.total, self.warm = total_steps, warm_start_steps
+        self.grpo_steps, self.above = 0, []  # above: (metrics step, token fraction, sample fraction)
+
+    def _at(self, step: int) -> str:
+        return f"step {step - self.warm + 1}/{self.total}"  # as the per-step console lines count
+
+    def advice(self) -> str:
+        return (f"the rejection comes from {self.settings}; or record --dump-logprobs DIR and run slime-rc analyze "
+                f"DIR for a preset and band that fit this mismatch")
+
+    def observe(self, metrics: dict) -> Optional[str]:
+        """Record one step; the console warning when it is the run's first step above the level, else None."""
+        if metrics.get("warm_start"):
+            return None
+        self.grpo_steps += 1
+        tokens, samples = rejected_fractions(metrics)
+        if not exceeds(tokens, samples):
+            return None
+        self.above.append((metrics["step"], tokens, samples))
+        if len(self.above) > 1:
+            return None
+        return (f"warning: {self._at(metrics['step'])} rejected {_fractions(tokens, samples)}, above "
+                f"{level_sentence()}: what is rejected teaches nothing, so such a step learns little or nothing; "
+                f"{self.advice()} (said once; the end of the run counts such steps)")
+
+    def summary(self) -> Optional[dict]:
+        """``summary.json``'s ``rejection_warning``: None when no step went above the level."""
+        if not self.above:
+            return None
+        first = self.above[0]
+        return {"threshold": MAX_REJECTED_FRACTION, "steps_above": len(self.above), "grpo_steps": self.grpo_steps,
+                "first_step": first[0], "first_token_fraction": first[1], "first_sample_fraction": first[2],
+                "max_token_fraction": _largest(r[1] for r in self.above),
+                "max_sample_fraction": _largest(r[2] for r in self.above), "message": self.end_lines()[0]}
+
+    def end_lines(self) -> List[str]:
+        """The end-of-run warning (one line), or no line."""
+        if not self.above:
+            return []
+        step, tokens, samples = self.above[0]
+        return [f"warning: {len(self.above)} of {self.grpo_steps} GRPO steps rejected more than "
+                f"{100 * MAX_REJECTED_FRACTION:g}% of their tokens or samples (first {self._at(step)}: "
+                f"{_fractions(tokens, samples)}); {self.advice()}"]
+
+
+def _fractions(tokens: Optional[float], samples: Optional[float]) -> str:
+    parts = [f"{100 * f:.1f}% of {what}" for f, what in ((tokens, "tokens"), (samples, "samples")) if f is not None]
+    return " and ".join(parts)
+
+
+def _largest(values) -> Optional[float]:
+    known = [v for v in values if v is not None]
+    return max(known) if known else None

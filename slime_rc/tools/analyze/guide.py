@@ -21,7 +21,10 @@ Choice: negligible -> ``bypass_ppo_clip``; moderate short -> Seq-TIS (``decouple
 Geo-RS-Seq-TIS (``decoupled_geo_rs_seq_tis``), or pure Geo-RS (``decoupled_geo_rs``) once sequence weights have
 collapsed; severe short -> Seq-MIS (``decoupled_seq_is_rs``), or Seq-TIS when the dump has no high-weight samples
 for Seq-MIS to filter (§5.3: "use Seq-MIS when high-weight samples are likely garbage"; below); severe long ->
-Geo-RS (``decoupled_geo_rs``).  A dump recorded in bypass mode gets the bypass twin of the choice.  Every number
+Geo-RS (``decoupled_geo_rs``).  A choice that would reject more than ``MAX_REJECTED_FRACTION`` of the dump's tokens or
+samples (:mod:`slime_rc.tools.analyze.thresholds`, the level ``slime-rc train`` warns at) gives way to the same IS
+weights without its rejection (``SAFER``), with the reason and, for a geometric band, the band that would keep 95%
+of the samples.  A dump recorded in bypass mode gets the bypass twin of the choice.  Every number
 about what a preset would reject comes from the engine run on the dump (``report["presets"]``), never from a second
 implementation.
 
@@ -38,9 +41,11 @@ catastrophic update the veto exists for, §3.5).  Measured in the collapse study
 from __future__ import annotations
 
 import math
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from slime_rc.tools.analyze.accumulate import CATASTROPHIC_RATIO
+# MAX_REJECTED_FRACTION: one of the guide's thresholds (docs/analyze.md's table), defined where slime-rc train reads it
+from slime_rc.tools.analyze.thresholds import MAX_REJECTED_FRACTION, exceeds, level_sentence  # noqa: F401
 
 NEGLIGIBLE_K3 = 1e-4          # token k3 below this (and chi2_seq below the next): same checkpoint, numerical noise
 NEGLIGIBLE_CHI2_SEQ = 0.05    # raw sequence weights within a few % of 1 (their ESS ~ 1/(1+chi2_seq) > 0.95)
@@ -49,7 +54,6 @@ SEVERE_CHI2_TOKEN = 0.25      # token ESS ~ 1/(1+chi2_token) < 0.8, the "healthy
 LONG_SEQ_TOKENS = 1024        # mean loss tokens per sample from which samples count as long (CoT, agents)
 LENGTH_TRAP_SPREAD = 1.0      # 2*T*k3 (predicted variance of S = sum log r) above this: length-driven collapse
 SEQ_COLLAPSE_CHI2 = 1.0       # chi2_seq above this: raw sequence weights keep under half the batch effective
-MAX_REJECTED_SEQ_FRACTION = 0.2  # warn when the recommendation drops more samples than this
 MIN_ESS = 0.5                 # warn when the recommendation's IS weights keep less effective sample size
 MAX_VETO_SEQ_FRACTION = 0.05  # docs/metrics.md: more vetoed samples than this, investigate the engine
 SEQ_MIS_HIGH_FRACTION = 0.01  # Seq-MIS only when at least this fraction of samples is above the upper bound ...
@@ -78,6 +82,52 @@ def weight_share_removed(base: dict, other: dict) -> float:
     return 1.0 - mass(other) / mass(base) if mass(base) > 0 else 1.0
 
 
+# a choice that rejects too much -> the same IS weights without its rejection (why, in words)
+SAFER = {"decoupled_seq_is_rs": ("decoupled_seq_is", "keeps the same truncated sequence IS weights without rejecting"),
+         "decoupled_geo_rs_seq_tis": ("decoupled_seq_is", "keeps the same truncated sequence IS weights without the "
+                                                          "geometric filter"),
+         "decoupled_geo_rs": ("decoupled_token_is", "weighs each token by its truncated ratio, which does not "
+                                                    "compound with length (biased, low variance)")}
+
+
+def _too_much(row: dict) -> bool:
+    """Whether a preset row of ``report["presets"]`` rejects more than the shared level (tokens or samples)."""
+    return exceeds(row["rejected_token_fraction"], row["rejected_seq_fraction"])
+
+
+def _rejected(row: dict) -> str:
+    return f"{_pct(row['rejected_token_fraction'])} of tokens and {_pct(row['rejected_seq_fraction'])} of samples"
+
+
+def _band_advice(report: dict, name: str) -> Optional[str]:
+    """How to widen ``name``'s geometric band so that it keeps >= 95% of the dump's samples; None without one."""
+    crit = [r for r in report["presets"][name]["rs"].split("; ") if r.split(" ")[0] in GEOMETRIC_OPTIONS]
+    if not crit:
+        return None
+    lo, hi = report["geometric_band_95"]
+    return (f"its band {crit[0].split(' ', 1)[1]} is tight for this mismatch; at least 95% of samples have a "
+            f"geometric-mean ratio in [{lo}, {hi}] (geometric_band_95): widen it with --rs-upper-bound {lo}_{hi}")
+
+
+def safer_choice(report: dict, name: str) -> Tuple[str, Optional[str]]:
+    """``(preset, reason)``: ``name`` itself (reason None) when the engine says it rejects no more than
+    :data:`MAX_REJECTED_FRACTION` of the dump's tokens and samples, else the first preset down the :data:`SAFER`
+    chain that does, with a sentence saying why (and how ``name``'s band could be widened instead)."""
+    row = report["presets"][name]
+    if not _too_much(row):
+        return name, None
+    safer, why = SAFER.get(name, (None, ""))
+    while safer is not None and _too_much(report["presets"][safer]):
+        safer, why = SAFER.get(safer, (None, ""))
+    if safer is None:
+        return name, None  # nothing safer: the warning below says what to do
+    band = _band_advice(report, name)
+    return safer, (f"{safer} rather than {name}: on this dump {name} would reject {_rejected(row)}, above "
+                   f"{level_sentence()} (a rejected sample teaches nothing and leaves its group's baseline); "
+                   f"{safer} {why}, and rejects {_rejected(report['presets'][safer])} here"
+                   + (f". To keep {name} instead: {band}" if band else ""))
+
+
 def recommend(report: dict) -> dict:
     """``report``: the dictionary of :func:`slime_rc.tools.analyze.analyze` (metrics, ``dump``, ``presets``,
     ``veto_variants``, ``by_probability``).  Returns ``{"recommended_preset", "flags", "severity",
@@ -99,25 +149,29 @@ def recommend(report: dict) -> dict:
     # 1. severity
     if k3 >= SEVERE_K3 or chi2_tok >= SEVERE_CHI2_TOKEN:
         severity = "severe"
-        why = (f"{k3n} = {k3:.3g} >= SEVERE_K3 = {SEVERE_K3:g}" if k3 >= SEVERE_K3 else
-               f"chi2_token = {chi2_tok:.3g} >= SEVERE_CHI2_TOKEN = {SEVERE_CHI2_TOKEN:g} (heavy tail of token "
-               f"ratios; token ESS ~ 1/(1+chi2_token) = {1 / (1 + chi2_tok):.2f}) while {k3n} = {k3:.3g}")
+        why = (f"{k3n} = {k3:.3g} per token is at or above {SEVERE_K3:g}, the level beyond a numerical precision "
+               f"gap (docs/metrics.md: investigate)" if k3 >= SEVERE_K3 else
+               f"chi2_token = {chi2_tok:.3g} is at or above {SEVERE_CHI2_TOKEN:g}, a heavy tail of token ratios "
+               f"(token ESS ~ 1/(1+chi2_token) = {1 / (1 + chi2_tok):.2f}, below the healthy 0.8), while {k3n} = "
+               f"{k3:.3g}")
         reasons.append(f"severity severe: {why}")
         warnings.append(f"{k3n} = {k3:.3g}, chi2_token = {chi2_tok:.3g}: this is beyond a numerical precision gap; "
                         f"check weight sync / staleness, the sampling temperature (SGLang returns log-softmax of "
                         f"logits / T) and top-p / top-k truncation on both sides")
     elif k3 < NEGLIGIBLE_K3 and chi2_seq < NEGLIGIBLE_CHI2_SEQ:
         severity = "negligible"
-        reasons.append(f"severity negligible: {k3n} = {k3:.3g} < NEGLIGIBLE_K3 = {NEGLIGIBLE_K3:g} and chi2_seq = "
-                       f"{chi2_seq:.3g} < NEGLIGIBLE_CHI2_SEQ = {NEGLIGIBLE_CHI2_SEQ:g}: no IS correction needed")
+        reasons.append(f"severity negligible: {k3n} = {k3:.3g} per token is below {NEGLIGIBLE_K3:g}, the numerical "
+                       f"noise of one checkpoint, and chi2_seq = {chi2_seq:.3g} is below {NEGLIGIBLE_CHI2_SEQ:g} (raw "
+                       f"sequence weights within a few % of 1): no IS correction needed")
     else:
         severity = "moderate"
         if k3 >= NEGLIGIBLE_K3:
-            reasons.append(f"severity moderate: NEGLIGIBLE_K3 = {NEGLIGIBLE_K3:g} <= {k3n} = {k3:.3g} < SEVERE_K3 = "
-                           f"{SEVERE_K3:g} and chi2_token = {chi2_tok:.3g} < SEVERE_CHI2_TOKEN = {SEVERE_CHI2_TOKEN:g}")
+            reasons.append(f"severity moderate: {k3n} = {k3:.3g} per token is between {NEGLIGIBLE_K3:g} (numerical "
+                           f"noise) and {SEVERE_K3:g} (beyond a precision gap), and chi2_token = {chi2_tok:.3g} is "
+                           f"below {SEVERE_CHI2_TOKEN:g} (no heavy tail of token ratios)")
         else:
-            reasons.append(f"severity moderate: {k3n} = {k3:.3g} < NEGLIGIBLE_K3 = {NEGLIGIBLE_K3:g} per token, but "
-                           f"chi2_seq = {chi2_seq:.3g} >= NEGLIGIBLE_CHI2_SEQ = {NEGLIGIBLE_CHI2_SEQ:g}: the gap "
+            reasons.append(f"severity moderate: {k3n} = {k3:.3g} per token is below {NEGLIGIBLE_K3:g} (numerical "
+                           f"noise), but chi2_seq = {chi2_seq:.3g} is at or above {NEGLIGIBLE_CHI2_SEQ:g}: the gap "
                            f"adds up over {T:.0f}-token samples")
 
     # 2. length
@@ -128,20 +182,22 @@ def recommend(report: dict) -> dict:
     collapsed = chi2_seq >= SEQ_COLLAPSE_CHI2 or clamp > 0  # measured: raw sequence weights are degenerate
     physics = (f"S = sum_t log r has mean -T*kl = {-T * kl:.3g} and spread sqrt(2*T*k3) = "
                f"{math.sqrt(2 * T * k3):.3g}, so raw sequence weights exp(S) keep ESS ~ exp(-2*T*k3) = "
-               f"{math.exp(-2 * T * k3):.3g}; at this mismatch they collapse (2*T*k3 >= LENGTH_TRAP_SPREAD = "
-               f"{LENGTH_TRAP_SPREAD:g}) beyond T* = {t_star:.4g} tokens; measured chi2_seq = {chi2_seq:.3g} "
-               f"(SEQ_COLLAPSE_CHI2 = {SEQ_COLLAPSE_CHI2:g}), {_pct(clamp)} of samples have |S| at the ±20 clamp")
+               f"{math.exp(-2 * T * k3):.3g}; they collapse once 2*T*k3 reaches {LENGTH_TRAP_SPREAD:g} (ESS ~ e^-1), "
+               f"which at this mismatch is beyond T* = {t_star:.4g} tokens; measured chi2_seq = {chi2_seq:.3g} (from "
+               f"{SEQ_COLLAPSE_CHI2:g} on, raw sequence weights keep under half the batch effective), "
+               f"{_pct(clamp)} of samples have |S| at the ±20 clamp")
     length = f"mean length T = {T:.0f} loss tokens (max {d['max_length']})"
     if severity != "negligible":
         if long_by_length:
-            reasons.append(f"long samples: {length} >= LONG_SEQ_TOKENS = {LONG_SEQ_TOKENS}; {physics}. Geo-RS "
-                           f"judges the per-token geometric mean exp(S/T), which does not grow with T")
+            reasons.append(f"long samples: {length} is at or above {LONG_SEQ_TOKENS} tokens, where samples count "
+                           f"as long (CoT, agents); {physics}. Geo-RS judges the per-token geometric mean exp(S/T), "
+                           f"which does not grow with T")
         elif long:
-            reasons.append(f"long for this mismatch (Length Trap): {length} < LONG_SEQ_TOKENS = {LONG_SEQ_TOKENS} "
-                           f"but T >= T*: {physics}")
+            reasons.append(f"long for this mismatch (Length Trap): {length} is below {LONG_SEQ_TOKENS} tokens "
+                           f"(long whatever the mismatch) but at or above T*: {physics}")
         else:
-            reasons.append(f"short samples: {length} < LONG_SEQ_TOKENS = {LONG_SEQ_TOKENS}"
-                           + (" and < T*" if severity == "moderate" else "") + f"; {physics}")
+            reasons.append(f"short samples: {length} is below {LONG_SEQ_TOKENS} tokens (long whatever the mismatch)"
+                           + (" and below T*" if severity == "moderate" else "") + f"; {physics}")
 
     # choice
     if severity == "negligible":
@@ -161,17 +217,18 @@ def recommend(report: dict) -> dict:
                        f"{SEQ_COLLAPSE_CHI2:g}, no sample at the clamp), so truncated sequence IS still debiases")
     elif severity == "moderate":
         name = "decoupled_geo_rs"
-        why = (f"chi2_seq = {chi2_seq:.3g} >= SEQ_COLLAPSE_CHI2 = {SEQ_COLLAPSE_CHI2:g}"
-               if chi2_seq >= SEQ_COLLAPSE_CHI2 else f"{_pct(clamp)} of samples have |S| at the ±20 clamp")
+        why = (f"chi2_seq = {chi2_seq:.3g} is at or above {SEQ_COLLAPSE_CHI2:g}: the raw sequence weights keep "
+               f"under half the batch effective" if chi2_seq >= SEQ_COLLAPSE_CHI2 else f"{_pct(clamp)} of samples have |S| at the ±20 clamp")
         reasons.append(f"Geo-RS (decoupled_geo_rs): sequence weights have collapsed ({why}), so a sequence IS factor "
                        f"would give most samples ~0 weight; pure geometric rejection (with veto) is length-invariant")
     elif not long:
         tis = report["presets"]["decoupled_seq_is"]
         high = tis["metrics"]["rollout_is_seq_fraction_high"]
         share = weight_share_removed(tis, report["presets"]["decoupled_seq_is_rs"])
-        tail = (f"rollout_is_seq_fraction_high = {high:.3g} of samples have a sequence ratio above the upper bound "
-                f"(SEQ_MIS_HIGH_FRACTION = {SEQ_MIS_HIGH_FRACTION:g}) and Seq-MIS's rejections carry {share:.3g} of "
-                f"Seq-TIS's weight mass (SEQ_MIS_WEIGHT_SHARE = {SEQ_MIS_WEIGHT_SHARE:g})")
+        tail = (f"a fraction {high:.3g} of samples (rollout_is_seq_fraction_high) have a sequence ratio above the "
+                f"upper bound, where {SEQ_MIS_HIGH_FRACTION:g} makes a high-weight tail worth filtering, and "
+                f"Seq-MIS's rejections carry {share:.3g} of Seq-TIS's weight mass, where {SEQ_MIS_WEIGHT_SHARE:g} "
+                f"makes them matter")
         if high < SEQ_MIS_HIGH_FRACTION and share < SEQ_MIS_WEIGHT_SHARE and (tis["ess"] or 0.0) >= MIN_ESS:
             name = "decoupled_seq_is"
             reasons.append(f"Seq-TIS (decoupled_seq_is), not Seq-MIS: §5.3 uses Seq-MIS \"when high-weight samples are "
@@ -188,6 +245,11 @@ def recommend(report: dict) -> dict:
         name = "decoupled_geo_rs"
         reasons.append("Geo-RS (decoupled_geo_rs): severe mismatch on long samples: sequence weights are "
                        "meaningless, so reject by the length-invariant geometric mean (with veto)")
+
+    # a choice that rejects more than the level slime-rc train warns at gives way to a safer one, said why
+    name, skipped = safer_choice(report, name)
+    if skipped:
+        reasons.append(skipped)
 
     # operating mode
     modes = d.get("modes") or {}
@@ -227,20 +289,23 @@ def recommend(report: dict) -> dict:
                      f"{report.get('rollout_is_min', 0.0):.3g}) in {_pct(veto_frac)} of samples")
             if share is not None and veto_frac > MAX_VETO_SEQ_FRACTION and share < VETO_WEIGHT_SHARE:
                 reasons.append(f"no veto: {found}, but under {name}'s sequence IS weights they carry {share:.3g} of "
-                               f"the weight mass (VETO_WEIGHT_SHARE = {VETO_WEIGHT_SHARE:g}): the sequence weight "
-                               f"already suppresses the catastrophic update the veto exists for, and vetoing would "
-                               f"drop {_pct(vetoed['rejected_seq_fraction'])} of the samples from the batch "
-                               f"(> MAX_VETO_SEQ_FRACTION = {_pct(MAX_VETO_SEQ_FRACTION)})")
+                               f"the weight mass, below {VETO_WEIGHT_SHARE:g}: the sequence weight already "
+                               f"suppresses the catastrophic update the veto exists for, and vetoing would drop "
+                               f"{_pct(vetoed['rejected_seq_fraction'])} of the samples from the batch, more than "
+                               f"{_pct(MAX_VETO_SEQ_FRACTION)} (docs/metrics.md: investigate above it)")
+            elif _too_much(vetoed):
+                reasons.append(f"no veto: {found}, but vetoing would reject {_rejected(vetoed)}, above "
+                               f"{level_sentence()}; without it {name} rejects {_rejected(row)}")
             else:
                 row = vetoed
                 flags += f" --rs-veto-threshold {CATASTROPHIC_RATIO:g}"
                 reasons.append(f"veto: {found}: add --rs-veto-threshold {CATASTROPHIC_RATIO:g} to drop those samples")
         if veto_frac > MAX_VETO_SEQ_FRACTION:
-            warnings.append(f"{_pct(veto_frac)} of samples hold a catastrophic token (a veto would drop them: > "
-                            f"MAX_VETO_SEQ_FRACTION = {_pct(MAX_VETO_SEQ_FRACTION)}): catastrophic tokens are "
-                            f"common, investigate the engine")
+            warnings.append(f"{_pct(veto_frac)} of samples hold a catastrophic token, more than "
+                            f"{_pct(MAX_VETO_SEQ_FRACTION)} (a veto would drop them; docs/metrics.md: investigate "
+                            f"above it): catastrophic tokens are common, investigate the engine")
     else:
-        reasons.append(f"no veto needed: no token has ratio < CATASTROPHIC_RATIO = {CATASTROPHIC_RATIO:g} "
+        reasons.append(f"no veto needed: no token has a ratio below {CATASTROPHIC_RATIO:g}, the catastrophic level "
                        f"(rollout_is_min = {report.get('rollout_is_min', 0.0):.3g})")
 
     # what the engine says the choice does to this dump
@@ -249,20 +314,11 @@ def recommend(report: dict) -> dict:
                    f"{_pct(row['rejected_token_fraction'])} of tokens and {_pct(row['rejected_seq_fraction'])} of "
                    f"samples" + ("" if ess is None else f", IS effective sample size {ess:.3g}")
                    + ("" if row["is_weights_applied"] or ess is None else " (IS weights diagnostics only)"))
-    if row["rejected_seq_fraction"] > MAX_REJECTED_SEQ_FRACTION:
-        text = (f"{name} rejects {_pct(row['rejected_seq_fraction'])} of samples (> MAX_REJECTED_SEQ_FRACTION = "
-                f"{_pct(MAX_REJECTED_SEQ_FRACTION)})")
-        crit = [r for r in report["presets"][name]["rs"].split("; ") if r.split(" ")[0] in GEOMETRIC_OPTIONS]
-        if crit:
-            lo, hi = report["geometric_band_95"]
-            text += (f": its band {crit[0].split(' ', 1)[1]} is tight for this mismatch; at least 95% of samples "
-                     f"have a geometric-mean ratio in [{lo}, {hi}] (geometric_band_95): widen it with "
-                     f"--rs-upper-bound {lo}_{hi}, or investigate the mismatch")
-        else:
-            text += ": loosen its bounds or investigate the mismatch"
-        warnings.append(text)
+    if _too_much(row):  # no safer preset was left (the fallbacks reject nothing, so only a veto gets here)
+        warnings.append(f"{name} rejects {_rejected(row)}, above {level_sentence()}: "
+                        + (_band_advice(report, name) or "loosen its bounds") + ", or investigate the mismatch")
     if ess is not None and ess < MIN_ESS:
-        warnings.append(f"{name}'s IS weights keep an effective sample size of {ess:.3g} (< MIN_ESS = {MIN_ESS:g}): "
+        warnings.append(f"{name}'s IS weights keep an effective sample size of {ess:.3g}, below {MIN_ESS:g}: "
                         f"the weights are degenerate")
 
     if len(modes) > 1:
@@ -294,6 +350,7 @@ def _notes(report: dict) -> List[str]:
                      f"({_pct(hot['token_share'])} of tokens)")
     p50 = report["quantiles"].get("p50", 1.0)
     if p50 > 0 and abs(math.log(p50)) > SHIFT_LOG_MEDIAN:
-        notes.append(f"median ratio p50 = {p50:.4g} (|log p50| > SHIFT_LOG_MEDIAN = {SHIFT_LOG_MEDIAN:g}): every "
-                     f"token is shifted, a systematic gap (temperature, top-p, a different checkpoint)")
+        notes.append(f"median ratio p50 = {p50:.4g} (|log p50| = {abs(math.log(p50)):.3g} is above "
+                     f"{SHIFT_LOG_MEDIAN:g}): every token is shifted, a systematic gap (temperature, top-p, a "
+                     f"different checkpoint)")
     return notes
