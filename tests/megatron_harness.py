@@ -224,9 +224,8 @@ def _policy_step(M, model, optimizer, mbs: List[dict], convention: str, forward_
         # the caller's args: slime's keys unset (None), as a launch line without them leaves them; the function
         # must get a copy with the resolved values
         from slime_rc.slime.tis_bridge import tis_function_correction_for
-        tis = dict(external=tis_function_correction_for(
-            load_function(TIS_FUNCTIONS[convention]),
-            argparse.Namespace(tis_upper_bound=None, tis_lower_bound=None, use_tis=None)))
+        caller_args = argparse.Namespace(tis_upper_bound=None, tis_lower_bound=None, use_tis=None)
+        tis = dict(external=tis_function_correction_for(load_function(TIS_FUNCTIONS[convention]), caller_args))
     local = M.shard_for_step(model, mbs)
     prepared = prepare_global_batch(local, config) if convention == PRE else None
     if convention == SLIMELOSS:
@@ -241,11 +240,11 @@ def _policy_step(M, model, optimizer, mbs: List[dict], convention: str, forward_
                                                 if k.startswith("rollout_corr/")}}
 
     result = M.train_step(model, optimizer, mbs, loss_fn, forward_only=forward_only, local_micro_batches=local)
-    if "tis_args" in tis:
-        assert tis["tis_args"].tis_upper_bound is None, "the caller's args were modified"
+    if "external" in tis:
+        assert caller_args.tis_upper_bound is None, "the caller's args were modified"
         from megatron.core import parallel_state as ps
 
-        from slime_rc.megatron.loss import reduce_tis_function_metrics
+        from slime_rc.slime.tis_bridge import reduce_tis_function_metrics
         if ps.is_pipeline_last_stage(ignore_virtual=True):  # slime's reduction over micro-batches and DP x CP
             result.function_metrics = reduce_tis_function_metrics([o["metrics"] for o in result.outputs],
                                                                   result.local_micro_batches, config)

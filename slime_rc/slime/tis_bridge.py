@@ -38,6 +38,14 @@ TIS_FUNCTION_PREFIX = "tis_function/"
 TIS_FUNCTION_METRICS = "rollout_corr/" + TIS_FUNCTION_PREFIX
 
 
+class TisContractError(ValueError):
+    """A TIS function returned something slime's contract does not allow (docs/tis-function.md): the message names
+    the function, what it returned and what the contract expects; ``slime-rc train`` prints it as one line."""
+
+    def __str__(self) -> str:
+        return super().__str__() + " (the contract: docs/tis-function.md)"
+
+
 def with_sample_fields(micro_batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """Add what slime's TIS-function contract needs to an *unsharded* packed micro-batch (lists, so CP sharding
     passes them through):
@@ -215,21 +223,21 @@ def tis_function_correction(tis_function: Callable, args, micro_batch: Dict[str,
         rollout_log_probs=list(rollout[idx].float().split(counts)), loss_masks=list(micro_batch["sample_loss_masks"]),
         total_lengths=lengths, response_lengths=responses)
     if not (isinstance(result, (tuple, list)) and len(result) == 3):
-        raise ValueError(f"TIS function {name} returned {type(result).__name__}; slime's contract is a tuple "
+        raise TisContractError(f"TIS function {name} returned {type(result).__name__}; slime's contract is a tuple "
                          f"(pg_loss, modified_masks, metrics)")
     pg, masks, metrics = result
     pg = _flat(pg, f"TIS function {name}: pg_loss", device).detach().float()
     if pg.numel() != n_local:
-        raise ValueError(f"TIS function {name} returned pg_loss of {pg.numel()} values; it was given {n_local} "
+        raise TisContractError(f"TIS function {name} returned pg_loss of {pg.numel()} values; it was given {n_local} "
                          f"(this rank's response tokens, CP-local) and must return as many")
     if masks is None or len(masks) != len(lengths):
-        raise ValueError(f"TIS function {name} returned {'no' if masks is None else len(masks)} modified masks "
+        raise TisContractError(f"TIS function {name} returned {'no' if masks is None else len(masks)} modified masks "
                          f"for {len(lengths)} samples; return one mask per sample (full response length)")
     flat_masks, full_length = [], []
     for i, (m, resp, c) in enumerate(zip(masks, responses, counts)):
         m = torch.as_tensor(m, device=device).reshape(-1)
         if m.numel() not in (resp, c):
-            raise ValueError(f"TIS function {name}: modified mask of sample {i} has {m.numel()} entries; expected "
+            raise TisContractError(f"TIS function {name}: modified mask of sample {i} has {m.numel()} entries; expected "
                              f"the full response length {resp} (slime's contract) or this rank's {c} "
                              f"response tokens (cp {cp_size}, rank {cp_rank})")
         flat_masks.append(m)
@@ -257,12 +265,12 @@ def tis_function_correction(tis_function: Callable, args, micro_batch: Dict[str,
     scale = orig if (per_token_loss or not full_masks) else orig / denoms[sample]
     out = {}
     if not isinstance(metrics, dict):
-        raise ValueError(f"TIS function {name} returned metrics of type {type(metrics).__name__}; slime's contract "
+        raise TisContractError(f"TIS function {name} returned metrics of type {type(metrics).__name__}; slime's contract "
                          f"is a dict name -> per-token tensor (CP-local)")
     for key, value in metrics.items():
         flat = _flat(value, f"TIS function {name}: metric {key!r}", device).detach().double()
         if flat.numel() != n_local:
-            raise ValueError(f"TIS function {name}: metric {key!r} has {flat.numel()} values; expected one per "
+            raise TisContractError(f"TIS function {name}: metric {key!r} has {flat.numel()} values; expected one per "
                              f"response token this rank was given ({n_local}, CP-local, like pg_loss)")
         out[TIS_FUNCTION_PREFIX + str(key)] = (flat.to(device) * scale).sum()
     # the loss multiplies these weights on every kept token: a NaN/inf there is a defect of the function (not of

@@ -220,7 +220,7 @@ def test_train_prints_and_writes_the_summary_of_its_own_metrics(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "slime_rc", "train", "--num-steps", "3", "--warm-start-steps", "2",
                            "--prompts-per-step", "4", "--group-size", "4", "--micro-batches", "2", "--hidden-size",
                            "32", "--num-layers", "1", "--rollout-dtype", "fp32", "--rollout-prob-floor", "0.02",
-                           "--use-tis", "--use-rs", "--rs-level", "token", "--rs-upper-bound", "1.2",
+                           "--use-tis", "--use-rs", "--rs-level", "token", "--rs-upper-bound", "0.83_1.2",
                            "--no-use-tensorboard", "--output-dir", str(out)],
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

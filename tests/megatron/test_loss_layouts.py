@@ -254,7 +254,13 @@ FUNCTION_CASES = [(n, c) for n, c in CASES if c in TIS_FUNCTIONS]
 def test_policy_references_correct_and_reject(reference):
     """The policy-loss references are non-trivial: the correction rejects some tokens and moves the weights."""
     tis = reference[(REFERENCE, "policy_tis_function", "base")]
-    assert tis["metrics"][0][0] and all(k.startswith("rollout_corr/tis_function/") for k in tis["metrics"][0][0])
+    # the function's own metrics under its names; beside them the mismatch metrics and what it applied, under the
+    # engine's names (one set of names whichever path corrects)
+    from slime_rc.correction.metrics import METRICS
+    names = tis["metrics"][0][0]
+    own = {k for k in names if k.startswith("rollout_corr/tis_function/")}
+    assert own and {k[len("rollout_corr/"):] for k in set(names) - own} <= set(METRICS), sorted(names)
+    assert {"rollout_corr/k3_kl", "rollout_corr/rejected_token_fraction"} <= set(names), sorted(names)
     for conv in ("policy_prestep", "policy_bypass"):
         ref = reference[(REFERENCE, conv, "base")]
         m = ref["metrics"][0][0]

@@ -23,6 +23,10 @@ from typing import Dict, List, Optional, Tuple
 
 from slime_rc.demo.train.study import is_study_dir, read_run, study_runs
 
+DESCRIPTION = ("Plot runs' curves against the GRPO step: reward, mismatch KL and k3, IS effective sample size, "
+               "rejected fraction and grad norm, one line per run (from each run's metrics.jsonl); given a study "
+               "directory (<config>/seed<k>/metrics.jsonl), one curve per configuration, the mean over its seeds.")
+
 PANELS = (("reward_mean", "mean reward"), ("rollout_corr/k3_kl", "mismatch k3 KL"), ("rollout_corr/kl", "mismatch KL"),
           ("rollout_corr/rollout_is_eff_sample_size", "IS effective sample size"),
           ("rollout_corr/rejected_token_fraction", "rejected token fraction"),
@@ -182,7 +186,7 @@ def plot_study(study_dir: str, output: str) -> Dict[str, Dict[str, List[dict]]]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="slime-rc plot", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="slime-rc plot", description=DESCRIPTION)
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR",
                         help="run directories (each with metrics.jsonl), or one study directory "
                              "(<config>/seed<k>/metrics.jsonl)")
