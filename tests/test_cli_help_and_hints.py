@@ -156,3 +156,9 @@ def test_unknown_flags_message_skips_values_and_numbers():
     text = unknown_flags_message(["--tis-clp", "2", "-1", "--x=3"], ["--tis-clip"])
     assert text == ("unrecognized arguments: --tis-clp 2 -1 --x=3. Unknown flag '--tis-clp'. Did you mean "
                     "'--tis-clip'? Unknown flag '--x'.")
+
+
+def test_a_short_flag_gets_the_flags_its_letters_abbreviate_never_help(capsys):
+    code, _, err = _run(capsys, "train", "--cp", "2")
+    assert code == 2
+    assert "Unknown flag '--cp'. Did you mean '--context-parallel-size'" in err and "'--help'" not in err

@@ -49,14 +49,26 @@ def unknown_flags_message(leftover: Sequence[str], known: Iterable[str]) -> str:
     Why: argparse names what it could not place but not what was meant, and a mistyped flag (``--tis-clp 2``)
     silently differs from the intended one by one letter.  Tokens that are not flags (a value, a number such as
     ``-1``) get no sentence; ``--flag=value`` is looked up as ``--flag``."""
-    known = list(known)
+    known = [k for k in known if k not in ("-h", "--help")]  # never what a mistyped setting meant
     text = f"unrecognized arguments: {' '.join(leftover)}."
     for token in leftover:
         flag = token.split("=", 1)[0]
         if not flag.startswith("-") or flag == "-" or _is_number(flag):
             continue
-        text += f" Unknown flag {flag!r}.{did_you_mean_any(flag, known)}"
+        hint = did_you_mean_any(flag, known) or _initials_hint(flag, known)
+        text += f" Unknown flag {flag!r}.{hint}"
     return text
+
+
+def _initials_hint(flag: str, known: Sequence[str]) -> str:
+    """``--cp`` -> ``" Did you mean '--context-parallel-size'?"``: the flags whose words' initials start with the
+    letters of a short flag (at most three such flags), for abbreviations other tools use."""
+    letters = flag.lstrip("-").replace("_", "-")
+    if not 2 <= len(letters) <= 4 or "-" in letters:
+        return ""
+    hits = [k for k in known if k.startswith("--")
+            and "".join(w[:1] for w in k[2:].split("-")).startswith(letters.lower())]
+    return f" Did you mean {' or '.join(repr(k) for k in hits)}?" if 0 < len(hits) <= 3 else ""
 
 
 def _is_number(text: str) -> bool:

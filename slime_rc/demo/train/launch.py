@@ -48,6 +48,7 @@ from slime_rc.config._text import unknown_flags_message
 from slime_rc.config.arguments import add_rollout_correction_arguments, resolve_args, tis_function_from_args
 from slime_rc.config.schema import RolloutCorrectionConfig
 from slime_rc.demo.rollout.sglang_client import SGLangError
+from slime_rc.slime.tis_bridge import TisContractError
 from slime_rc.sglang_output import check_sampling_consistency
 from slime_rc.demo.train import interrupt
 from slime_rc.demo.train.interrupt import Interrupted
@@ -409,7 +410,7 @@ def _spawned_worker(rank: int, world: int, init_method: str, args: argparse.Name
         _worker(rank, world, init_method, args, launch)
     except Interrupted as e:
         sys.exit(interrupt.exit_code(e.signum))
-    except SGLangError as e:
+    except (SGLangError, TisContractError) as e:
         print(f"slime-rc train: error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
 
@@ -515,7 +516,7 @@ def _main(argv: Optional[List[str]] = None) -> int:
         if args.nproc == 1:
             _worker(0, 1, store, args, launch)
             return 0
-    except SGLangError as e:  # the server failed the run: one line, no traceback
+    except (SGLangError, TisContractError) as e:  # the server, or the TIS function, failed the run: one line
         print(f"slime-rc train: error: {e}", file=sys.stderr, flush=True)
         return 1
     return _run_spawned(args, launch, store)
