@@ -1,4 +1,4 @@
-"""Bad input, issue 16, item 4 (and item 5's ``--group-size 1``): every ``slime-rc train`` launch value is checked
+"""Bad input: every ``slime-rc train`` launch value is checked
 before anything starts, with one line naming the flag, the value and the fix (exit 2, no traceback); SGLang failures
 are bounded (a connect timeout of seconds, a request timeout) and said in one line naming the URL and what came back.
 Everything runs the real code: the CLI entry point in-process, and the SGLang client against real local sockets and

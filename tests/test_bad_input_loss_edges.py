@@ -1,4 +1,4 @@
-"""Bad input, issue 16 items 1 and 7, in ``compute_policy_loss``: the edges the ratio floor does not cover.
+"""Bad input, in ``compute_policy_loss``: the edges the ratio floor does not cover.
 
 * REINFORCE with a current log-prob at SGLang's fp32 floor (``finfo.min`` = -3.4e38): ``-w * log pi_theta * A``
   overflowed to ``loss = inf`` for |A| > 1.  Now the value of ``log pi_theta`` in that term is floored at
@@ -66,7 +66,7 @@ def _error(cfg, inputs) -> str:
 @pytest.mark.parametrize("adv", [3.0, -3.0, 1e3], ids=["A=3", "A=-3", "A=1e3"])
 @pytest.mark.parametrize("name", REINFORCE)
 def test_reinforce_current_log_prob_at_the_fp32_floor_gives_a_finite_loss_and_gradient(name, adv, mode):
-    """Issue 16: ``-w * log pi_theta * A`` with log pi_theta = -3.4e38 and |A| > 1 gave ``loss = inf``."""
+    """``-w * log pi_theta * A`` with log pi_theta = -3.4e38 and |A| > 1 gave ``loss = inf``."""
     inputs = _inputs()
     inputs["log_probs"][TOKEN] = FP32_FLOOR
     inputs["advantages"][TOKEN] = adv

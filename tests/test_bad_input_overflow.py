@@ -1,4 +1,4 @@
-"""Bad input, issue 16 item 1, in ``compute_policy_loss``: no NaN or inf reaches the loss, a metric or a gradient.
+"""Bad input, in ``compute_policy_loss``: no NaN or inf reaches the loss, a metric or a gradient.
 
 * finite log-probs that overflow the PPO ratio (a rollout log-prob at SGLang's fp32 floor ``finfo.min`` = -3.4e38,
   or -1e4): the loss clamps the log-ratio to +-``safety_bound`` before ``exp`` (the engine's and verl's floor), so
@@ -53,7 +53,7 @@ def _inputs(seed=0, adv_sign=None):
 @pytest.mark.parametrize("adv_sign", [1.0, -1.0], ids=["A>0", "A<0"])
 @pytest.mark.parametrize("name", [n for n in CONFIGS if CONFIGS[n].mode == "bypass"])
 def test_bypass_rollout_log_prob_at_the_fp32_floor_gives_a_finite_loss_and_gradient(name, adv_sign, value):
-    """Issue 16: bypass PPO with a rollout log-prob of -3.4e38 (what SGLang returns) or -1e4 gave ``loss = inf``."""
+    """bypass PPO with a rollout log-prob of -3.4e38 (what SGLang returns) or -1e4 gave ``loss = inf``."""
     inputs = _inputs(adv_sign=adv_sign)
     inputs["rollout_log_probs"][TOKEN] = value
     loss, grad, metrics = _call(CONFIGS[name], inputs)
@@ -162,7 +162,7 @@ def test_nonfinite_rollout_log_probs_in_bypass_raise_naming_tensor_sample_and_po
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf], ids=["nan", "+inf", "-inf"])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_nonfinite_current_log_probs_raise_naming_tensor_sample_and_position(name, value):
-    """Issue 16: +inf (and NaN) current log-probs reached the loss and gradient in standard and decoupled modes."""
+    """+inf (and NaN) current log-probs reached the loss and gradient in standard and decoupled modes."""
     inputs = _inputs()
     inputs["log_probs"][TOKEN] = value
     msg = _error(CONFIGS[name], inputs)
@@ -264,7 +264,7 @@ def test_reject_mode_all_nonfinite_gives_a_finite_zero_loss():
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["bypass_ppo", "bypass_ppo_is", "bypass_reinforce"])
 def test_megatron_loss_with_sglang_fp32_floor_rollout_log_probs_is_finite(name):
-    """What issue 16 saw through ``slime-rc train``: real SGLang output at ``finfo.min`` gave loss = nan from step 0."""
+    """What was seen through ``slime-rc train``: real SGLang output at ``finfo.min`` gave loss = nan from step 0."""
     from slime_rc.correction.reducer import LocalReducer
     from slime_rc.megatron.loss import policy_loss
     from tests.test_losses import _batch, _micro_batch

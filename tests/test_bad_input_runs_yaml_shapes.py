@@ -1,4 +1,4 @@
-"""Bad input, issue 16: a run never replaces a previous run's files (item 3), YAML underscore bands (item 7), and
+"""Bad input: a run never replaces a previous run's files (item 3), YAML underscore bands (item 7), and
 per-token shapes that are checked, never broadcast (item 2).  Each test gives the failing input and the clear error
 or outcome a user now sees; everything runs the real code."""
 

@@ -1,4 +1,4 @@
-"""The CUDA path (issue 14): the engine, the policy losses, the Megatron loss, slime's custom loss and the TIS
+"""The CUDA path: the engine, the policy losses, the Megatron loss, slime's custom loss and the TIS
 functions slime loads, run on a GPU, give the CPU's numbers and never synchronise the stream.
 
 Each test computes the same call on the CPU and on the device and compares every output (weights, keep masks,

@@ -157,7 +157,7 @@ def test_prepare_global_batch_reads_do_not_grow_with_the_batch(mode):
     assert counts[4] == counts[40], counts  # the engine's reads included
 
 
-# ---- the totals, engine included (they need the engine's deferred checks: issue 14) -------------------------------
+# ---- the totals, engine included (they need the engine's deferred checks) -------------------------------
 @pytest.mark.parametrize("mode", ["reject", "error"])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_compute_policy_loss_total_host_reads(name, mode):

@@ -1,4 +1,4 @@
-"""A ``'lower_upper'`` band given to a command-line flag (issue 16 item 7).
+"""A ``'lower_upper'`` band given to a command-line flag.
 
 Every flag of the knob table that takes one number (``--tis-upper-bound``, ``--tis-clip``, ``--eps-clip``,
 ``--rollout-correction-safety-bound``, ...) refuses text with an underscore as a band, in the words the YAML path

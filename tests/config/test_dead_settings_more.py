@@ -1,4 +1,4 @@
-"""Settings that cannot act in the configuration they are given in (issue 16, item 5): refused or printed as a note.
+"""Settings that cannot act in the configuration they are given in: refused or printed as a note.
 
 The rule is the one of the existing dead-setting check (``--tis-level`` without ``--use-tis``,
 slime_rc/config/stack.py): a setting given above the highest layer of the settings that make it dead, or on the same

@@ -1,4 +1,4 @@
-"""The TIS functions slime loads (``custom_tis``) on the hot path (issue 14): no host synchronisation of their own
+"""The TIS functions slime loads (``custom_tis``) on the hot path: no host synchronisation of their own
 per call, at most one in all (the deferred checks, read once at the end) and none with the engine's
 ``on_nonfinite='reject'``; tensors on the inputs' device; a fixed number of kernels whatever the number of samples;
 the zigzag positions and full-length masks as megatron's layout has them."""

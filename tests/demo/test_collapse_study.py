@@ -1,4 +1,4 @@
-"""The collapse study's pieces (issue 15): the rollout engine's probability floor (``--rollout-prob-floor``), the
+"""The collapse study's pieces: the rollout engine's probability floor (``--rollout-prob-floor``), the
 supervised warm start (``--warm-start-steps``), the end-of-run summary (``summary.json``), and ``slime-rc plot`` /
 ``python -m slime_rc.demo.train.study`` of a study directory.
 

@@ -1,4 +1,4 @@
-"""Nothing is lost (issue 16, item 3): SIGTERM and Ctrl-C stop ``slime-rc train`` cleanly, no worker outlives the
+"""Nothing is lost: SIGTERM and Ctrl-C stop ``slime-rc train`` cleanly, no worker outlives the
 launcher (even a SIGKILLed one), and a previous run's TensorBoard, wandb and dump files are guarded like its
 ``metrics.jsonl``.  Real runs of ``python -m slime_rc train`` and real signals; no mocks."""
 

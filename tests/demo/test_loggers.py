@@ -1,4 +1,4 @@
-"""``slime-rc train``'s logging (issue 13, item 5): metrics.jsonl unchanged, TensorBoard and wandb with slime's names
+"""``slime-rc train``'s logging: metrics.jsonl unchanged, TensorBoard and wandb with slime's names
 (``train/<key>`` against the step axis ``train/step``), wandb offline writing its run files with no network, a clear
 error naming the flag and the extra when a package is missing.  The loggers are tested directly; one short
 ``slime-rc train`` run has both on."""

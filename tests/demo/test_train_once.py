@@ -1,4 +1,4 @@
-"""``slime-rc train`` does each thing once (issue 12): one rollout correction per decoupled step (the samples the
+"""``slime-rc train`` does each thing once: one rollout correction per decoupled step (the samples the
 correction keeps come from ``prepare_global_batch``'s result, not from a second correction of the global batch), the
 configuration resolved once in the launcher and handed to the workers, the ``--custom-tis-function-path`` function
 loaded once per process.  Counted by wrapping each function wherever a loaded module binds it."""

@@ -1,4 +1,4 @@
-"""slime's custom loss on the hot path (issue 14): no host synchronisation per micro-batch, tensors on the inputs'
+"""slime's custom loss on the hot path: no host synchronisation per micro-batch, tensors on the inputs'
 device, a fixed number of kernels whatever the number of samples.
 
 * :class:`~slime_rc.testing.host_reads.HostReads` around ``policy_loss_function`` in every mode (correction off,

@@ -1,4 +1,4 @@
-"""`slime-rc analyze` on bad input (issue 16): every refusal is one line naming the file, the key / value and the
+"""`slime-rc analyze` on bad input: every refusal is one line naming the file, the key / value and the
 fix, exit status 2, no traceback; inputs that can be analyzed with a caveat give a counted outcome in the report
 (docs/analyze.md, "Bad input").  Real files in tmp_path, the real CLI (``slime_rc.cli.main``; one subprocess run)."""
 
