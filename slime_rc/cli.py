@@ -531,17 +531,22 @@ def _slime_semantics_report(args, rows, notes, ignored, ignored_yaml, view, runs
     return 0
 
 
+def _command_parser(prog: str, usage: str, description: str, commands: Dict[str, str]) -> argparse.ArgumentParser:
+    """A parser whose --help lists ``commands`` (name -> what it does); each command parses its own flags."""
+    parser = argparse.ArgumentParser(prog=prog, usage=usage, description=description,
+                                     epilog=f"Run {prog} COMMAND --help for a command's flags.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, text in commands.items():
+        sub.add_parser(name, help=text, add_help=False)
+    return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level ``slime-rc`` parser: its --help lists the commands with what each does.  Each command parses
     its own flags (:func:`main` hands them over), so ``slime-rc --help`` imports no command's module."""
-    parser = argparse.ArgumentParser(prog="slime-rc", usage="slime-rc COMMAND [flags...]",
-                                     description="Rollout correction for RL on Megatron + SGLang: train, inspect a "
-                                                 "configuration, analyze a log-prob dump, plot runs.",
-                                     epilog="Run slime-rc COMMAND --help for a command's flags.")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, text in COMMANDS.items():
-        commands.add_parser(name, help=text, add_help=False)
-    return parser
+    return _command_parser("slime-rc", "slime-rc COMMAND [flags...]",
+                           "Rollout correction for RL on Megatron + SGLang: train, inspect a configuration, analyze a "
+                           "log-prob dump, plot runs.", COMMANDS)
 
 
 def build_config_parser() -> argparse.ArgumentParser:
@@ -558,14 +563,9 @@ def build_config_parser() -> argparse.ArgumentParser:
 
 def build_study_parser() -> argparse.ArgumentParser:
     """The ``slime-rc study`` parser, for its --help: the two study commands with what each does."""
-    parser = argparse.ArgumentParser(prog="slime-rc study", usage="slime-rc study {estimators,summary} [flags...]",
-                                     description="Studies of rollout correction: the estimators' bias and variance "
-                                                 "on a toy policy, or the summary table of a directory of runs.",
-                                     epilog="Run slime-rc study COMMAND --help for a command's flags.")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, text in STUDY_COMMANDS.items():
-        commands.add_parser(name, help=text, add_help=False)
-    return parser
+    return _command_parser("slime-rc study", "slime-rc study {estimators,summary} [flags...]",
+                           "Studies of rollout correction: the estimators' bias and variance on a toy policy, or the "
+                           "summary table of a directory of runs.", STUDY_COMMANDS)
 
 
 def build_summary_parser() -> argparse.ArgumentParser:
