@@ -270,8 +270,8 @@ class Stack:
     def sources(self, config: Any) -> Dict[str, str]:
         """Config field -> the user-facing name of the highest layer's setting it was built from."""
         sources = {}
-        for f in fields(config):
-            keys = [k for k in FIELD_SETTINGS.get(f.name, ()) if k in self.owner]
+        for f in fields(config):  # a key given as null (slime's mis.yaml: rs_lower_bound: null) set nothing
+            keys = [k for k in FIELD_SETTINGS.get(f.name, ()) if k in self.owner and self.values.get(k) is not None]
             top = max(reversed(keys), key=self.rank) if keys else None  # ties: the detail (tis_level) over its switch
             sources[f.name] = self.owner[top].label(top) if top else "default"
         if config.mode != "bypass" and "use_rollout_correction" not in self.owner:

@@ -124,3 +124,14 @@ def test_unset_rs_settings_take_slimes_defaults_on_a_launch_line_too(argv, crite
                            if a.startswith("--") and b.startswith("--")})
         hook = hook_config(argparse.Namespace(**attributes))
     assert train.rs == hook.rs == (criterion,)
+
+
+def test_slime_rc_config_names_what_set_the_rs_criteria_not_a_null_key(tmp_path, capsys):
+    path = tmp_path / "mis.yaml"
+    path.write_text(MIS_YAML)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert cli_main(["config", "--custom-config-path", str(path)]) == 0
+    row = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("  rs "))
+    assert "token in [0.5, 2]" in row and "rs_level in" in row, row
+    assert "rs_lower_bound" not in row  # given as null: it set nothing
