@@ -311,16 +311,17 @@ def applied_correction_metrics(correction: CorrectionResult, micro_batch: Dict[s
                                reducer: LocalReducer) -> Dict[str, torch.Tensor]:
     """What a TIS function did to this micro-batch, over the CP group, under the engine's names: the fraction of
     loss tokens its masks removed (``rejected_token_fraction``) and the effective sample size of the weights it
-    applied on the kept tokens, ``(sum w)^2 / (n_kept * sum w^2)`` (``rollout_is_eff_sample_size``; 1 for weights of
-    1).  One ``sum_totals`` of 4 values; no host read."""
+    applied on the kept tokens, ``(sum w)^2 / (n_kept * sum w^2)`` (``rollout_is_eff_sample_size``, as the engine
+    computes it).  One ``sum_totals`` of 4 values; no host read."""
     mask = micro_batch["loss_mask"].reshape(-1).double()
     keep = correction.keep_mask.double() * (mask != 0)
     w = correction.is_weights.double() * keep
     totals = reducer.sum_totals(torch.stack([mask.sum(), keep.sum(), w.sum(), (w * w).sum()]))
     n, kept, s1, s2 = totals.unbind()
     return {"rejected_token_fraction": torch.where(n > 0, (n - kept) / n.clamp(min=1), 0.0),
-            "rollout_is_eff_sample_size": torch.where((kept > 0) & (s2 > 0), s1 * s1 / (kept * s2).clamp(min=1e-300),
-                                                      1.0)}
+            # the engine's form: mean^2 / mean of squares over the kept tokens (0 when none is kept, or all weights
+            # are 0; 1 for weights of 1)
+            "rollout_is_eff_sample_size": (s1 / kept.clamp(min=1)) ** 2 / (s2 / kept.clamp(min=1)).clamp(min=1e-300)}
 
 
 def tis_function_metric_count(local_micro_batches: Sequence[Dict], per_token_loss: bool) -> float:
