@@ -6,7 +6,10 @@ So the adapters read one place: ``args.use_tis``, ``args.tis_level``, ... (missi
 those are, their ``mis_*`` aliases and the default rules below come from the knob table
 (:mod:`slime_rc.config.knobs`: the knobs with a ``mis`` rule).
 
-Defaults and rules (slime's ``examples/train_infer_mismatch_helper/mis.py`` at 624b824a8):
+The keys are resolved by THE resolution every entry point uses (:func:`hook_config` ->
+:func:`slime_rc.config.resolution.resolve`, whose stack applies slime's rules to slime's keys), and
+:func:`slime_settings` is that config as slime's example reads it.  The rules (slime's
+``examples/train_infer_mismatch_helper/mis.py`` at 624b824a8):
 
 * ``tis_level`` token, ``tis_mode`` truncate, ``tis_upper_bound`` 2.0 (mis.py has no default and fails on None;
   2.0 is its YAML's value and slime's ``--tis-clip`` default), ``tis_lower_bound`` ``1 / tis_upper_bound``;
