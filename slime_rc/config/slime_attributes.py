@@ -51,7 +51,7 @@ from slime_rc.config.knobs import KNOB_FLAGS, MIS_KEYS
 from slime_rc.config.schema import RolloutCorrectionConfig
 
 # the k1 options slime's own level names stand for (same statistic, same aggregation)
-_SLIME_LEVEL = {"token_k1": "token", "seq_sum_k1": "sequence", "seq_mean_k1": "geometric"}
+SLIME_LEVEL = {"token_k1": "token", "seq_sum_k1": "sequence", "seq_mean_k1": "geometric"}
 
 # slime's mis keys and the attributes of the setting flags slime defines itself (--tis-clip, --eps-clip, ...)
 SLIME_ATTRIBUTES = tuple(dict.fromkeys(MIS_KEYS + tuple(f.dest for f in KNOB_FLAGS if f.slime_defines)))
@@ -63,10 +63,10 @@ def _rs_attributes(config: RolloutCorrectionConfig) -> Dict[str, Any]:
         return {"rs_level": None, "rs_upper_bound": None, "rs_lower_bound": None}
     if len(crits) == 1:
         c = crits[0]
-        return {"rs_level": _SLIME_LEVEL.get(c.option, c.option), "rs_upper_bound": c.upper,
+        return {"rs_level": SLIME_LEVEL.get(c.option, c.option), "rs_upper_bound": c.upper,
                 "rs_lower_bound": c.lower if c.statistic == "k1" else None}
     thresholds = [f"{c.lower!r}_{c.upper!r}" if c.statistic == "k1" else repr(c.upper) for c in crits]
-    return {"rs_level": ",".join(_SLIME_LEVEL.get(c.option, c.option) for c in crits),
+    return {"rs_level": ",".join(SLIME_LEVEL.get(c.option, c.option) for c in crits),
             "rs_upper_bound": ",".join(thresholds), "rs_lower_bound": None}
 
 

@@ -250,21 +250,22 @@ class Stack:
             return rs_upper, is_lower
         return rs_upper, rs_lower
 
-    def _spelled_as(self, key: str, spelling: str) -> bool:
-        """Whether ``key`` was given under ``spelling`` (a key, or its flag)."""
+    def _given_as(self, key: str) -> str:
+        """The key ``key`` was given under (a flag read as its attribute); '' when unset."""
         layer = self.owner.get(key)
         name = layer.names.get(key, key) if layer is not None else ""
-        return (dest_of(name) if name.startswith("--") else name) == spelling
+        return dest_of(name) if name.startswith("--") else name
+
+    def _spelled_as(self, key: str, spelling: str) -> bool:
+        """Whether ``key`` was given under ``spelling`` (a key, or its flag)."""
+        return self._given_as(key) == spelling
 
     def _slime_spelled(self, key: str) -> bool:
         """Whether ``key`` was given under slime's spelling (a slime key, its flag or ``mis_*`` alias), not by a
         preset or in verl's spelling."""
         layer = self.owner.get(key)
-        if layer is None or layer.kind == "preset":
-            return False
-        name = layer.names.get(key, key)
-        name = dest_of(name) if name.startswith("--") else name
-        return SPELLINGS.get(name, ("",))[0] != VERL
+        return (layer is not None and layer.kind != "preset"
+                and SPELLINGS.get(self._given_as(key), ("",))[0] != VERL)
 
     # ---- telling the user ------------------------------------------------------------------------------------
     def sources(self, config: Any) -> Dict[str, str]:

@@ -32,6 +32,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 from slime_rc.config._text import did_you_mean
 from slime_rc.config.knobs import ENGINE_KEYS, IS_LEVELS, IS_MODES, KNOB, KNOBS, MIS_KEYS, dest_of
 from slime_rc.config.schema import RolloutCorrectionConfig
+from slime_rc.config.slime_attributes import SLIME_LEVEL
 
 LEVELS = IS_LEVELS  # slime's example knows the three k1 levels for IS and RS alike
 MODES = IS_MODES
@@ -141,9 +142,7 @@ def hook_config(args: Any) -> RolloutCorrectionConfig:
     launch = get(args, "rollout_correction_config")
     if launch is not None:
         return launch
-    keys = raw_mis_keys(args)
-    _check_values(dict(keys))
-    items = keys + tuple(sorted(engine_keys(args).items()))
+    items = raw_mis_keys(args) + tuple(sorted(engine_keys(args).items()))
     try:
         return _resolve(get(args, "rollout_correction_preset"), items)
     except TypeError:  # an unhashable value: resolve without the cache (it reports the bad value)
@@ -170,14 +169,14 @@ def _check_values(d: Dict[str, Any]) -> None:
 def _resolve(preset: Optional[str], items: Tuple[Tuple[str, Any], ...]) -> RolloutCorrectionConfig:
     from slime_rc.config.resolution import SLIME_KINDS, Layer, preset_layer, resolve
 
+    _check_values(dict(items))
     layers = [preset_layer(preset)] if preset else []
     layers.append(Layer.from_mapping(dict(items), kind="yaml", where="slime's args"))
     return resolve(layers, SLIME_KINDS).config
 
 
-# slime's level names for the k1 options that stand for them
-_SLIME_LEVEL = {"token_k1": "token", "seq_sum_k1": "sequence", "seq_mean_k1": "geometric",
-                **{level: level for level in LEVELS}}
+# slime's level names for the options slime's example knows (its levels and the k1 options that stand for them)
+_SLIME_LEVEL = {**SLIME_LEVEL, **{level: level for level in LEVELS}}
 
 
 def slime_settings(config: RolloutCorrectionConfig) -> Optional[SlimeMisSettings]:

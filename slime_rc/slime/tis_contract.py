@@ -77,12 +77,6 @@ class Batch:
             raise ValueError("one entry per sample in every list: got " + ", ".join(f"{k} {v}" for k, v in
                                                                                      counts.items()))
         cp_size, cp_rank = cp
-        layout = None
-        if total_lengths is not None and cp_size > 1:
-            for i, (total, resp) in enumerate(zip(total_lengths, response_lengths)):
-                if not 0 <= int(resp) <= int(total):
-                    raise ValueError(f"response_length={int(resp)} must lie in [0, total_length={int(total)}]")
-            layout = ResponseLayout(total_lengths, response_lengths, cp_size, cp_rank)
         lengths, full_lengths = [], []
         for i, (t, r, m) in enumerate(zip(train_log_probs, rollout_log_probs, loss_masks)):
             for name, v in (("train_log_probs", t), ("rollout_log_probs", r), ("loss_masks", m)):
@@ -104,15 +98,20 @@ class Batch:
                                      f"masks and CP-local log-probs)")
                 if not 0 <= resp <= total:
                     raise ValueError(f"response_length={resp} must lie in [0, total_length={total}]")
-                # without CP a rank holds the whole response (megatron's layout, cp_layout.ResponseLayout)
-                held = resp if layout is None else layout.counts[i]
-                if held != t.numel():
-                    raise ValueError(
-                        f"sample {i}: train_log_probs holds {t.numel()} tokens but context-parallel rank {cp_rank} "
-                        f"of {cp_size} holds {held} of its {resp} response tokens (total_lengths[{i}]={total}, "
-                        f"megatron's zigzag layout); pass this rank's log-probs")
             lengths.append(t.numel())
             full_lengths.append(m.numel())
+        layout = None
+        if total_lengths is not None:
+            # without CP a rank holds the whole response (megatron's layout, cp_layout.ResponseLayout)
+            layout = ResponseLayout(total_lengths, response_lengths, cp_size, cp_rank) if cp_size > 1 else None
+            for i, n in enumerate(lengths):
+                held = int(response_lengths[i]) if layout is None else layout.counts[i]
+                if held != n:
+                    raise ValueError(
+                        f"sample {i}: train_log_probs holds {n} tokens but context-parallel rank {cp_rank} of "
+                        f"{cp_size} holds {held} of its {int(response_lengths[i])} response tokens "
+                        f"(total_lengths[{i}]={int(total_lengths[i])}, megatron's zigzag layout); pass this rank's "
+                        f"log-probs")
         self.n_samples, self.lengths, self.full_lengths = len(lengths), lengths, full_lengths
         # (sample, response position, count) of this rank's runs of consecutive response tokens
         self.runs = ([(i, 0, n) for i, n in enumerate(lengths)] if layout is None
